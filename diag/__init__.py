@@ -1,0 +1,1 @@
+"""Operations kit: heartbeat, watchdog, drain gate, env-diff, stack dumps, diag bundles."""

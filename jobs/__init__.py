@@ -1,0 +1,1 @@
+"""Job entrances (SFT, RL roles) that run inside SLURM or local tasks."""

@@ -1,0 +1,129 @@
+"""The job config: one YAML file, loaded once into the typed configs of each component.
+
+    job: {name, kind}          this module        plan: rlslurm/plan/*
+    cluster     rlslurm/slurm/config.py           model      rlslurm/modelspec.py
+    parallel    rlslurm/plan/parallel.py          hardware   rlslurm/plan/hardware.py
+    memory      rlslurm/plan/memory.py            timing     rlslurm/plan/steptime.py
+    placement   rlslurm/plan/placement.py         rollout    rlslurm/rollout/config.py
+    train       rlslurm/train_config.py           rl         rlslurm/rl/config.py
+    task        rlslurm/tasks/config.py           reward     rlslurm/reward/config.py
+    sync        rlslurm/sync/config.py            checkpoint rlslurm/checkpoint.py
+    diag        diag/config.py (rlslurm.diag.config)
+
+Checks between sections live in `JobConfig.__post_init__` and name every key involved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from rlslurm.checkpoint import CheckpointConfig
+from rlslurm.configfile import FieldError, check, load_mapping, read_yaml
+from rlslurm.diag.config import DiagConfig
+from rlslurm.errors import ConfigError
+from rlslurm.modelspec import ModelConfig
+from rlslurm.plan.hardware import HardwareConfig
+from rlslurm.plan.memory import MemoryConfig
+from rlslurm.plan.parallel import ParallelConfig, static_rules, world_rules
+from rlslurm.plan.placement import PlacementConfig
+from rlslurm.plan.steptime import TimingConfig
+from rlslurm.reward.config import RewardConfig
+from rlslurm.rl.config import RLConfig
+from rlslurm.rollout.config import RolloutConfig
+from rlslurm.slurm.config import ClusterConfig
+from rlslurm.sync.config import SyncConfig
+from rlslurm.tasks.config import TaskConfig
+from rlslurm.train_config import TrainConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobSpec:
+    name: str = "rlslurm-job"
+    """Job name shown by SLURM and used in the run directory's name."""
+    kind: Literal["sft", "rl"] = "rl"
+    """Which entrance: sft = offline data, rl = GRPO with rollout, reward and weight sync."""
+
+    def __post_init__(self):
+        check(bool(self.name) and "/" not in self.name and not self.name.startswith("."), "name",
+              "must be a non-empty name without '/' (it names the run directory)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobConfig:
+    job: JobSpec = field(default_factory=JobSpec)
+    """What the job is."""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Where it runs (SLURM partitions or this machine)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The model's shape."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """The trainer's parallel layout."""
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    """Nodes, GPUs and bandwidths."""
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    """The trainer's memory model."""
+    timing: TimingConfig = field(default_factory=TimingConfig)
+    """Measured or estimated phase times."""
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    """Colocate or separate rollout."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Rollout engines."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Trainer settings shared by SFT and RL."""
+    rl: RLConfig = field(default_factory=RLConfig)
+    """GRPO settings."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """The built-in task and its data."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Scoring and its degradation policy."""
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    """Weight sync to the engines."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoint interval and retention."""
+    diag: DiagConfig = field(default_factory=DiagConfig)
+    """Operations kit: heartbeats, watchdog, stacks."""
+
+    def __post_init__(self):
+        hw, pl = self.hardware, self.placement
+        if pl.rollout_nodes is not None:
+            check(pl.rollout_nodes < hw.nodes, "placement.rollout_nodes",
+                  f"must leave training at least one node: placement.rollout_nodes = {pl.rollout_nodes}, "
+                  f"hardware.nodes = {hw.nodes}")
+        check(self.rollout.tp <= hw.gpus_per_node, "rollout.tp",
+              f"must be <= hardware.gpus_per_node = {hw.gpus_per_node} (one engine stays inside a node)")
+        if self.reward.service == "component":
+            check(bool(self.reward.partition), "reward.partition",
+                  "is required when reward.service = 'component' (the SLURM partition of the reward component)")
+        m = self.model
+        for rule in static_rules(self.parallel, m.layers, m.heads, m.n_kv_heads, m.experts, hw.gpus_per_node):
+            raise FieldError(rule.keys[0], rule.message)
+        world = self.train_gpus()
+        if world is not None:
+            for rule in world_rules(self.parallel, world):
+                raise FieldError(rule.keys[0], rule.message + self._split_note())
+
+    def train_gpus(self) -> int | None:
+        """Training GPUs of the configured split; None while the plan has yet to choose it."""
+        hw, pl = self.hardware, self.placement
+        if pl.mode == "colocate":
+            return hw.total_gpus
+        if pl.rollout_nodes is not None:
+            return (hw.nodes - pl.rollout_nodes) * hw.gpus_per_node
+        return None
+
+    def _split_note(self) -> str:
+        pl = self.placement
+        return (f" (placement.mode = {pl.mode!r}, placement.rollout_nodes = {pl.rollout_nodes}, "
+                f"hardware.nodes = {self.hardware.nodes} x hardware.gpus_per_node = {self.hardware.gpus_per_node})")
+
+
+def load_config(path: str | Path) -> JobConfig:
+    """Read, validate and return the job config at `path`; raises ConfigError naming the key."""
+    data = read_yaml(path)
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, not {type(data).__name__}")
+    return load_mapping(JobConfig, data, source=str(path))

@@ -1,0 +1,73 @@
+"""What one node and the cluster offer: GPU memory and bandwidths, links, host RAM, filesystem.
+
+`hardware:` in a job YAML. `profile` picks a known GPU; any field set explicitly overrides it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlslurm.configfile import check
+
+# Vendor figures. bandwidths in decimal GB/s (TB/s x 1000), memory in decimal GB as the lecture uses.
+GPU_PROFILES: dict[str, dict[str, float]] = {
+    "h20-96g": {"hbm_gb": 96, "hbm_bandwidth_tb_s": 4.0, "pcie_gb_s": 64},
+    "h100-80g": {"hbm_gb": 80, "hbm_bandwidth_tb_s": 3.35, "pcie_gb_s": 64},
+    "h200-141g": {"hbm_gb": 141, "hbm_bandwidth_tb_s": 4.8, "pcie_gb_s": 64},
+    "a100-80g": {"hbm_gb": 80, "hbm_bandwidth_tb_s": 2.04, "pcie_gb_s": 32},
+    # The embedded default: CPU worker processes stand in for GPUs; "HBM" is a share of host RAM.
+    "cpu": {"hbm_gb": 4, "hbm_bandwidth_tb_s": 0.02, "pcie_gb_s": 10},
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class HardwareConfig:
+    profile: str = "cpu"
+    """GPU model, one of GPU_PROFILES (h20-96g, h100-80g, h200-141g, a100-80g, cpu)."""
+    nodes: int = 2
+    """Nodes in the cluster that this job may split between training and rollout."""
+    gpus_per_node: int = 2
+    """Accelerators per node (on the cpu profile: worker processes per node)."""
+    hbm_gb: float | None = None
+    """Override: memory per GPU in GB; null = the profile's."""
+    hbm_bandwidth_tb_s: float | None = None
+    """Override: GPU memory bandwidth in TB/s; null = the profile's."""
+    pcie_gb_s: float | None = None
+    """Override: host<->GPU bandwidth in GB/s (offload); null = the profile's."""
+    interconnect_gb_s: float = 25.0
+    """Inter-node bandwidth per link in GB/s (RoCE/IB); used by broadcast weight sync."""
+    fs_bandwidth_gb_s: float = 1.0
+    """Shared filesystem bandwidth in GB/s (NFS); used by disk weight sync and checkpoints."""
+    host_ram_gb: float = 2000.0
+    """Host RAM per node in GB; bounds offload of training state."""
+
+    def __post_init__(self):
+        check(self.profile in GPU_PROFILES, "profile",
+              f"is not a known GPU profile; known: {', '.join(GPU_PROFILES)}")
+        check(self.nodes >= 1, "nodes", "must be >= 1")
+        check(self.gpus_per_node >= 1, "gpus_per_node", "must be >= 1")
+        for name in ("hbm_gb", "hbm_bandwidth_tb_s", "pcie_gb_s"):
+            value = getattr(self, name)
+            check(value is None or value > 0, name, "must be > 0")
+        for name in ("interconnect_gb_s", "fs_bandwidth_gb_s", "host_ram_gb"):
+            check(getattr(self, name) > 0, name, "must be > 0")
+
+    def _pick(self, name: str) -> float:
+        value = getattr(self, name)
+        return float(value if value is not None else GPU_PROFILES[self.profile][name])
+
+    @property
+    def gpu_mem_gb(self) -> float:
+        return self._pick("hbm_gb")
+
+    @property
+    def hbm_tb_s(self) -> float:
+        return self._pick("hbm_bandwidth_tb_s")
+
+    @property
+    def host_link_gb_s(self) -> float:
+        return self._pick("pcie_gb_s")
+
+    @property
+    def total_gpus(self) -> int:
+        return self.nodes * self.gpus_per_node

@@ -1,0 +1,82 @@
+"""Parallel layout of the trainer and the divisibility rules it must satisfy.
+
+`parallel:` in a job YAML. world = TP x PP x CP x DP; EP divides DP (experts shard over data-parallel
+ranks); the expert-DP group that shards the expert optimizer is DP / EP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlslurm.configfile import check
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    tp: int = 1
+    """Tensor-parallel size: ranks that split every matrix (stays inside a node)."""
+    pp: int = 1
+    """Pipeline-parallel size: stages that split the layers."""
+    cp: int = 1
+    """Context-parallel size: ranks that split the sequence."""
+    ep: int = 1
+    """Expert-parallel size: ranks that split the routed experts (must divide DP)."""
+    micro_batch_size: int = 1
+    """Sequences per micro-batch on one rank."""
+    seq_len: int = 64
+    """Training sequence length in tokens."""
+
+    def __post_init__(self):
+        for name in ("tp", "pp", "cp", "ep", "micro_batch_size", "seq_len"):
+            check(getattr(self, name) >= 1, name, "must be >= 1")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One divisibility rule broken by a layout: the config keys involved and the numbers."""
+
+    keys: tuple[str, ...]
+    message: str
+
+
+def data_parallel(parallel: ParallelConfig, world: int) -> int:
+    """DP = world / (TP x PP x CP); 0 when the product does not divide the world."""
+    model_parallel = parallel.tp * parallel.pp * parallel.cp
+    return world // model_parallel if world % model_parallel == 0 else 0
+
+
+def static_rules(parallel: ParallelConfig, layers: int, heads: int, kv_heads: int, experts: int,
+                 gpus_per_node: int) -> list[Rule]:
+    """Rules that hold or break whatever the number of training GPUs."""
+    p = parallel
+    broken: list[Rule] = []
+    if p.tp > gpus_per_node or gpus_per_node % p.tp:
+        broken.append(Rule(("parallel.tp", "hardware.gpus_per_node"),
+                           f"parallel.tp = {p.tp} must divide hardware.gpus_per_node = {gpus_per_node} "
+                           "(tensor parallelism stays inside a node's fast links)"))
+    if heads % p.tp:
+        broken.append(Rule(("parallel.tp", "model.heads"), f"parallel.tp = {p.tp} does not divide model.heads = {heads}"))
+    elif kv_heads % p.tp and p.tp % kv_heads:
+        broken.append(Rule(("parallel.tp", "model.kv_heads"),
+                           f"parallel.tp = {p.tp} and model.kv_heads = {kv_heads}: one must divide the other"))
+    if layers % p.pp:
+        broken.append(Rule(("parallel.pp", "model.layers"), f"parallel.pp = {p.pp} does not divide model.layers = {layers}"))
+    if p.ep > 1 and experts and experts % p.ep:
+        broken.append(Rule(("parallel.ep", "model.experts"), f"parallel.ep = {p.ep} does not divide model.experts = {experts}"))
+    if p.ep > 1 and not experts:
+        broken.append(Rule(("parallel.ep", "model.experts"), f"parallel.ep = {p.ep} needs an MoE model (model.experts = 0)"))
+    return broken
+
+
+def world_rules(parallel: ParallelConfig, world: int) -> list[Rule]:
+    """Rules between the layout and a number of training GPUs (world)."""
+    p = parallel
+    mp = p.tp * p.pp * p.cp
+    if world % mp:
+        return [Rule(("parallel.tp", "parallel.pp", "parallel.cp"),
+                     f"TP x PP x CP = {p.tp} x {p.pp} x {p.cp} = {mp} does not divide {world} training GPUs")]
+    dp = world // mp
+    if dp % p.ep:
+        return [Rule(("parallel.ep",), f"parallel.ep = {p.ep} does not divide DP = {dp} "
+                                       f"({world} training GPUs / TP x PP x CP = {mp})")]
+    return []

@@ -1,0 +1,1 @@
+"""The reward service: scorers, sandbox, supervisor and the controller's client."""

@@ -1,0 +1,1 @@
+"""The RL (GRPO) algorithm pieces: advantages, loss, experience."""

@@ -1,0 +1,29 @@
+"""`rl:` in a job YAML: the GRPO algorithm."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlslurm.configfile import check
+
+
+@dataclass(frozen=True, kw_only=True)
+class RLConfig:
+    prompts_per_step: int = 16
+    """Prompts sampled per RL step."""
+    samples_per_prompt: int = 8
+    """Responses generated per prompt (the GRPO group size k)."""
+    clip_eps: float = 0.2
+    """PPO-style clipping of the importance ratio."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to the reference (initial) policy; 0 = no reference model."""
+    max_staleness: int = 0
+    """Policy versions a sample may lag behind the trainer; 0 = synchronous."""
+
+    def __post_init__(self):
+        check(self.prompts_per_step >= 1, "prompts_per_step", "must be >= 1")
+        check(self.samples_per_prompt >= 2, "samples_per_prompt",
+              "must be >= 2 (GRPO normalises rewards within a group)")
+        check(0 < self.clip_eps < 1, "clip_eps", "must be in (0, 1)")
+        check(self.kl_coef >= 0, "kl_coef", "must be >= 0")
+        check(self.max_staleness >= 0, "max_staleness", "must be >= 0")

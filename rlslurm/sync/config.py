@@ -1,0 +1,30 @@
+"""`sync:` in a job YAML: how new weights reach the rollout engines each step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from rlslurm.configfile import check
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncConfig:
+    method: Literal["auto", "disk", "broadcast", "ipc"] = "auto"
+    """disk = safetensors on the shared filesystem; broadcast = a process group; ipc = colocated handles; auto = from placement."""
+    bucket_mb: float = 64.0
+    """Size of one broadcast bucket in MB."""
+    timeout_s: float = 60.0
+    """Seconds any one stage (drain, update, verify, resume) may take before the sync fails."""
+    verify: bool = True
+    """Compare per-tensor checksums of trainer and engine before serving."""
+    retries: int = 1
+    """Retries of a failed verify before the step fails."""
+    weights_gb: float | None = None
+    """Override: GB moved per sync; null = bf16 size of all parameters."""
+
+    def __post_init__(self):
+        check(self.bucket_mb > 0, "bucket_mb", "must be > 0 (MB)")
+        check(self.timeout_s > 0, "timeout_s", "must be > 0 (seconds)")
+        check(self.retries >= 0, "retries", "must be >= 0")
+        check(self.weights_gb is None or self.weights_gb > 0, "weights_gb", "must be > 0 (GB)")

@@ -1,0 +1,1 @@
+"""Built-in verifiable tasks with generated data (the embedded default: short arithmetic)."""
