@@ -1,0 +1,17 @@
+# Two commands on a fresh machine (see README):
+#   make demo   install everything, then run the main job on the embedded default
+#   make test   install everything, then run the whole test suite (what .ci/run runs)
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: install demo test
+install:
+	bash sbatch/install.sh $(VENV)
+
+demo: install
+	$(VENV)/bin/rlslurm plan examples/lecture-h20.yaml
+
+# RLSLURM_REQUIRE_CLUSTER=1 turns "could not start the local Slurm" into a test error, never a skip.
+test: install
+	RLSLURM_REQUIRE_CLUSTER=1 $(PY) -m pytest -ra -p no:cacheprovider tests

@@ -1,0 +1,21 @@
+"""`rlslurm validate config.yaml`: load and check a job config; print the resolved config with --print."""
+
+from __future__ import annotations
+
+import click
+import yaml
+
+from rlslurm.config import load_config
+from rlslurm.configfile import to_dict
+
+
+@click.command("validate")
+@click.argument("config", type=click.Path(dir_okay=False))
+@click.option("--print", "show", is_flag=True, help="Print the resolved config (defaults filled in) as YAML.")
+def command(config: str, show: bool) -> None:
+    """Check CONFIG: syntax, keys, types, values and the rules between sections."""
+    job = load_config(config)
+    if show:
+        click.echo(yaml.safe_dump(to_dict(job), sort_keys=False), nl=False)
+    else:
+        click.echo(f"{config}: ok ({job.job.kind} job {job.job.name!r})")

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Install everything rlslurm and its tests need on a fresh Debian machine (as root) or a dev box.
+#   bash sbatch/install.sh [VENV_DIR]
+# Debian: slurmctld, slurmd, slurm-client, munge (the local test cluster). PyPI: this package with
+# [dev], torch pinned to the CPU build 2.13.0 (an unpinned torch pulls a multi-GB CUDA build).
+set -euo pipefail
+venv=${1:-.venv}
+here=$(cd "$(dirname "$0")/.." && pwd)
+cd "$here"
+
+need_apt=()
+for bin in slurmctld slurmd sbatch munged; do
+  command -v "$bin" >/dev/null 2>&1 || [ -x "/usr/sbin/$bin" ] || need_apt+=("$bin")
+done
+if [ ${#need_apt[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ]; then
+    # No systemd here: make the packages' postinst scripts leave services alone.
+    [ -e /usr/sbin/policy-rc.d ] || printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      slurmctld slurmd slurm-client munge >/dev/null
+  else
+    echo "install.sh: missing ${need_apt[*]}; run as root or: apt-get install slurmctld slurmd slurm-client munge" >&2
+  fi
+fi
+
+if [ ! -x "$venv/bin/python" ]; then
+  python3 -m venv "$venv"
+fi
+"$venv/bin/python" -m pip install -q --upgrade pip
+"$venv/bin/python" -m pip install -q torch==2.13.0
+"$venv/bin/python" -m pip install -q -e ".[dev]"
+echo "install.sh: ready ($venv)"
