@@ -1,0 +1,80 @@
+"""Who am I in the job: rank, world size, local rank, master address — from whichever launcher ran us.
+
+Launchers set different variables: SLURM tasks get SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID, submitit's
+local executor only SUBMITIT_LOCAL_* (no RANK, no MASTER_ADDR), torchrun RANK/WORLD_SIZE/LOCAL_RANK.
+`Topology.detect()` maps them to one shape; `init_process_group(topo)` picks gloo on CPU and NCCL on GPU,
+so the CPU path and the GPU path are the same code.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Topology:
+    """This process's place among the tasks of one component of the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+    @classmethod
+    def detect(cls, env: dict[str, str] | None = None, default_port: int = 29500) -> "Topology":
+        e = os.environ if env is None else env
+        if "RANK" in e and "WORLD_SIZE" in e:
+            rank, world, local = int(e["RANK"]), int(e["WORLD_SIZE"]), int(e.get("LOCAL_RANK", 0))
+        elif "SUBMITIT_LOCAL_GLOBAL_RANK" in e:
+            rank = int(e["SUBMITIT_LOCAL_GLOBAL_RANK"])
+            world = int(e["SUBMITIT_LOCAL_WORLD_SIZE"])
+            local = int(e.get("SUBMITIT_LOCAL_LOCAL_RANK", rank))
+        elif "SLURM_PROCID" in e:
+            rank, world = int(e["SLURM_PROCID"]), int(e.get("SLURM_NTASKS", 1))
+            local = int(e.get("SLURM_LOCALID", 0))
+        else:
+            rank, world, local = 0, 1, 0
+        addr = e.get("MASTER_ADDR") or _first_slurm_node(e) or "127.0.0.1"
+        port = int(e.get("MASTER_PORT", default_port))
+        return cls(rank, world, local, addr, port)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _first_slurm_node(e) -> str | None:
+    # All slurmd of the local test cluster share one host; on a real cluster the first node's name
+    # resolves. Parsing the nodelist belongs to rlslurm.slurm.parse; imported lazily to keep this light.
+    nodelist = e.get("SLURM_STEP_NODELIST") or e.get("SLURM_JOB_NODELIST")
+    if not nodelist:
+        return None
+    if e.get("RLSLURM_LOCAL_CLUSTER") == "1":
+        return "127.0.0.1"
+    from rlslurm.slurm.parse import expand_nodelist
+
+    return expand_nodelist(nodelist)[0]
+
+
+def backend_for_device() -> str:
+    """nccl where CUDA is available, gloo otherwise: the one switch between GPU and CPU paths."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_process_group(topo: Topology, timeout_s: float = 120.0) -> None:
+    """Join the default process group of this component; a peer that never comes raises at timeout_s."""
+    if dist.is_initialized():
+        return
+    dist.init_process_group(
+        backend=backend_for_device(),
+        init_method=f"tcp://{topo.master_addr}:{topo.master_port}",
+        rank=topo.rank,
+        world_size=topo.world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
