@@ -12,6 +12,6 @@ install:
 demo: install
 	$(VENV)/bin/rlslurm plan examples/lecture-h20.yaml
 
-# RLSLURM_REQUIRE_CLUSTER=1 turns "could not start the local Slurm" into a test error, never a skip.
+# tests/cluster starts a real local Slurm (root, Debian packages); one that cannot start is an error.
 test: install
-	RLSLURM_REQUIRE_CLUSTER=1 $(PY) -m pytest -ra -p no:cacheprovider tests
+	$(PY) -m pytest -ra -p no:cacheprovider tests

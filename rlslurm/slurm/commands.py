@@ -1,0 +1,151 @@
+"""The one seam through which rlslurm talks to SLURM: every sbatch / squeue / sacct / scontrol / scancel /
+sinfo / srun-free command goes through `run()`.
+
+    from rlslurm.slurm import commands
+    job_id = commands.sbatch(["/runs/a b/job.sbatch"])            # -> "12"
+    rows = commands.squeue([job_id])         # -> [{"JobID": "12", "HetJobOffset": "0", ...}, ...]
+    commands.scancel(job_id, signal="USR1", batch=True)           # scancel -b -s USR1 12
+    commands.scontrol("requeue", job_id)
+
+`run()` logs the command line (logger "rlslurm.slurm"), bounds it with a timeout, and raises
+`SlurmCommandError` carrying `.argv`, `.returncode` and `.stderr` when the command fails, times out or is
+not installed. Parsing of what the commands print lives in `rlslurm/slurm/parse.py` (pure functions).
+Clients find the cluster through SLURM_CONF like any SLURM client; `env` overrides it per call.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import subprocess
+import time
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from rlslurm.errors import SlurmCommandError
+from rlslurm.slurm import parse
+
+log = logging.getLogger("rlslurm.slurm")
+
+DEFAULT_TIMEOUT_S = 30.0
+"""A healthy slurmctld answers in milliseconds; 30 s means it is down or wedged, and waiting longer hides it."""
+
+SQUEUE_FIELDS = ("JobID", "HetJobID", "HetJobOffset", "State", "Partition", "Name", "NodeList", "NumTasks",
+                 "RestartCnt", "Reason")
+"""Columns `squeue()` asks for (--Format names). A het component's JobID is its own id (4), HetJobID the
+leader's (3); RestartCnt is the SLURM_RESTART_COUNT the job's next start sees. A '|' in a job name breaks it."""
+
+SACCT_FIELDS = ("JobID", "JobName", "Partition", "State", "ExitCode", "NodeList", "Start", "End")
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    """What one SLURM command printed."""
+
+    argv: tuple[str, ...]
+    returncode: int
+    stdout: str
+    stderr: str
+    duration_s: float
+
+
+def _error(argv: Sequence[str], returncode: int | None, stderr: str, why: str) -> SlurmCommandError:
+    err = SlurmCommandError(f"`{shlex.join(argv)}` {why}" + (f": {stderr.strip()}" if stderr.strip() else ""))
+    err.argv = tuple(argv)
+    err.returncode = returncode
+    err.stderr = stderr
+    return err
+
+
+def run(argv: Sequence[str], *, timeout_s: float = DEFAULT_TIMEOUT_S, check: bool = True,
+        env: Mapping[str, str] | None = None) -> CommandResult:
+    """Run one SLURM command; raise SlurmCommandError (argv, returncode, stderr) unless it exits 0."""
+    argv = tuple(str(a) for a in argv)
+    full_env = {**os.environ, **env} if env else None
+    log.info("slurm: %s", shlex.join(argv))
+    started = time.monotonic()
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, env=full_env)
+    except FileNotFoundError as e:
+        raise _error(argv, None, "", f"cannot run: {argv[0]} is not installed or not on PATH ({e})") from e
+    except subprocess.TimeoutExpired as e:
+        stderr = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        raise _error(argv, None, stderr, f"did not answer within {timeout_s:g} s (is slurmctld up? SLURM_CONF="
+                     f"{(env or os.environ).get('SLURM_CONF', '<unset>')})") from e
+    result = CommandResult(argv, proc.returncode, proc.stdout, proc.stderr, time.monotonic() - started)
+    log.debug("slurm: exit %d in %.3f s", proc.returncode, result.duration_s)
+    if check and proc.returncode != 0:
+        raise _error(argv, proc.returncode, proc.stderr, f"exited {proc.returncode}")
+    return result
+
+
+def sbatch(args: Sequence[str], **kw) -> str:
+    """Submit with `sbatch --parsable ARGS`; return the job id (the leader's, for a het job)."""
+    out = run(["sbatch", "--parsable", *args], **kw).stdout
+    return parse.sbatch_parsable(out).job_id
+
+
+def squeue(job_ids: Sequence[str] = (), *, fields: Sequence[str] = SQUEUE_FIELDS, **kw) -> list[dict[str, str]]:
+    """Rows of `squeue --Format` for the jobs (all jobs when empty); a het job gives one row per component.
+
+    squeue exits 1 for a job id it no longer knows (finished past MinJobAge): that is an empty answer.
+    """
+    fmt = ",".join(f"{f}:|" for f in fields)  # '|' as width suffix separates columns; see parse.squeue_format
+    argv = ["squeue", "--noheader", f"--Format={fmt}"]
+    if job_ids:
+        argv.append("--jobs=" + ",".join(job_ids))
+    result = run(argv, check=False, **kw)
+    if result.returncode != 0:
+        if "Invalid job id" in result.stderr:
+            return []
+        raise _error(result.argv, result.returncode, result.stderr, f"exited {result.returncode}")
+    return parse.squeue_format(result.stdout, fields)
+
+
+def sacct(job_ids: Sequence[str], *, fields: Sequence[str] = SACCT_FIELDS, jobcomp: bool | None = None,
+          **kw) -> list[dict[str, str]]:
+    """Accounting rows for finished (and running) jobs.
+
+    Without slurmdbd, `sacct` exits 1 ("accounting storage is disabled"); then `sacct -c` reads the
+    jobcomp/filetxt file instead, which knows only finished jobs. jobcomp=True/False forces a source.
+    """
+    argv = ["sacct", "--parsable2", "--noconvert", "--format=" + ",".join(fields)]
+    for jid in job_ids:
+        argv += ["-j", jid]
+    if jobcomp is not True:
+        result = run(argv, check=False, **kw)
+        if result.returncode == 0:
+            return parse.parsable2(result.stdout)
+        if jobcomp is False or "disabled" not in result.stderr:
+            raise _error(result.argv, result.returncode, result.stderr, f"exited {result.returncode}")
+        log.debug("slurm: accounting disabled, reading jobcomp with sacct -c")
+    return parse.parsable2(run([argv[0], "-c", *argv[1:]], **kw).stdout)
+
+
+def scontrol(*args: str, **kw) -> str:
+    """`scontrol ARGS`; its stdout."""
+    return run(["scontrol", *args], **kw).stdout
+
+
+def show_job(job_id: str, **kw) -> list[dict[str, str]]:
+    """`scontrol show job -o ID` parsed: one record per het component (one for a plain job)."""
+    return parse.scontrol_show(scontrol("show", "job", "-o", str(job_id), **kw))
+
+
+def requeue(job_id: str, **kw) -> None:
+    """`scontrol requeue ID` (a het job only through its leader): SIGTERM now, restart later."""
+    scontrol("requeue", str(job_id), **kw)
+
+
+def scancel(job_id: str, *, signal: str | None = None, batch: bool = False, full: bool = False, **kw) -> None:
+    """`scancel [-s SIG] [-b|-f] ID`: with a signal, -b reaches the batch shell only, -f shell and steps,
+    neither the steps only; without a signal the job is cancelled."""
+    argv = ["scancel"]
+    if signal:
+        argv += ["-s", signal]
+    if batch:
+        argv.append("-b")
+    if full:
+        argv.append("-f")
+    run([*argv, str(job_id)], **kw)

@@ -1,0 +1,320 @@
+"""Heterogeneous SLURM jobs through submitit: `HetSlurmExecutor` is submitit's SlurmExecutor (same
+pickles, logs, results, USR2 checkpoint-and-requeue) whose sbatch script asks for 2 or 3 components.
+
+Submit (from the login node)::
+
+    from rlslurm.slurm.hetjob import Component, HetSlurmExecutor
+    ex = HetSlurmExecutor("/runs/x/logs/submitit",                          # shared folder (spaces OK)
+                          components=[Component(partition="rollout", nodes=1, ntasks_per_node=2),
+                                      Component(partition="cpu")])          # optional component 2
+    ex.update_parameters(                    # component 0, with submitit SlurmExecutor's (sbatch) names
+        partition="train", nodes=2, ntasks_per_node=1, cpus_per_task=1, time=60,   # time in minutes
+        job_name="rl", signal_delay_s=90,                                   # --signal=USR2@90 (submitit's)
+        additional_parameters={"requeue": True},                            # --requeue
+        setup=["export RLSLURM_RUN_DIR='/runs/x'"])                         # extra env, in the batch shell
+    job = ex.submit(fn, *args)       # job.job_id = the het leader; job.result() as with submitit
+    # --open-mode=append is always on (submitit's default); --signal may be replaced through
+    # additional_parameters={"signal": "B:USR1@60"} (then submitit's own USR2 handler never fires).
+    # mem is a string here ("64GB"); Component(mem_gb=...) converts for components 1 and 2.
+
+`fn` runs in every task of component 0 (one `srun --het-group=0`). Inside it::
+
+    ctx = hetjob.context()           # HetContext: this task's group, rank, world, node, restart_count,
+                                     # leader_job_id and components[i] (job_id, partition, nodes, ntasks)
+    if ctx.group == 0 and ctx.rank == 0:
+        step = hetjob.launch_component(1, [sys.executable, "-m", "my.server"], env={"PORT": "8000"})
+        ...                          # one `srun --het-group=1` step: every task of component 1
+        step.stop(timeout_s=30)      # SIGTERM (srun forwards it to the tasks), SIGKILL after timeout_s
+
+A task started by launch_component sees RLSLURM_HET_GROUP=N, so `hetjob.context()` works there too;
+SLURM_PROCID / SLURM_NTASKS of its step are its rank / world inside the component. Slurm 22.05 never
+sets SLURM_HET_JOB_ID / SLURM_HET_JOB_OFFSET, so the group comes from RLSLURM_HET_GROUP and the layout
+from the batch shell's SLURM_*_HET_GROUP_<n> variables, which every step inherits.
+
+Requeue (`scontrol requeue <leader>`, preemption, submitit's own on USR2) restarts the whole het job
+with SLURM_RESTART_COUNT=1, 2, ...; with `--requeue` the job keeps its id and appends to its logs.
+An external requeue or preemption sends SIGTERM, which submitit ignores: the tasks die after KillWait and
+the restart runs the *original* pickle, so resume must come from the run directory's checkpoints
+(measured on the local cluster: ~12 s from `scontrol requeue` to the restarted function).
+For hand submission: sbatch/hetjob.sbatch.template. Golden scripts: tests/golden/*.sbatch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shlex
+import subprocess
+import time
+import typing as tp
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from submitit.core import core, utils
+from submitit.slurm import slurm as submitit_slurm
+
+from rlslurm.errors import RlslurmError, SlurmCommandError
+from rlslurm.slurm import commands, parse
+
+log = logging.getLogger("rlslurm.slurm.hetjob")
+
+GROUP_ENV = "RLSLURM_HET_GROUP"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Component:
+    """One further component (1, 2) of a het job; component 0 is set with update_parameters."""
+
+    partition: str
+    """SLURM partition of this component; it must not share nodes with the other components'."""
+    nodes: int = 1
+    """Nodes of this component."""
+    ntasks_per_node: int = 1
+    """Tasks per node that `launch_component` starts."""
+    cpus_per_task: int | None = None
+    """CPUs per task; None = the partition's default."""
+    mem_gb: float | None = None
+    """Memory per node in GB; None = the partition's default."""
+    gres: str | None = None
+    """GRES per node, e.g. gpu:8."""
+    extra: dict[str, str | bool] = field(default_factory=dict)
+    """Further sbatch options of this component, e.g. {"constraint": "h100"} (True = a bare flag)."""
+
+    def __post_init__(self):
+        if not self.partition:
+            raise RlslurmError("Component.partition must not be empty")
+        if self.nodes < 1 or self.ntasks_per_node < 1:
+            raise RlslurmError(f"Component {self.partition}: nodes and ntasks_per_node must be >= 1")
+
+    def directives(self, time_min: int | None) -> list[str]:
+        opts: dict[str, tp.Any] = {"partition": self.partition, "nodes": self.nodes,
+                                   "ntasks-per-node": self.ntasks_per_node}
+        if self.cpus_per_task is not None:
+            opts["cpus-per-task"] = self.cpus_per_task
+        if self.mem_gb is not None:
+            opts["mem"] = submitit_slurm._convert_mem(self.mem_gb)
+        if self.gres:
+            opts["gres"] = self.gres
+        if time_min is not None:  # each component has its own limit; the same for all keeps them together
+            opts["time"] = time_min
+        opts.update(self.extra)
+        return [submitit_slurm._as_sbatch_flag(k, v) for k, v in opts.items()]
+
+
+class HetInfoWatcher(submitit_slurm.SlurmInfoWatcher):
+    """Job states from squeue (which knows finished jobs for MinJobAge), then sacct / jobcomp."""
+
+    def update(self) -> None:
+        ids = sorted({x.split("_")[0] for x in self._registered - self._finished})
+        if not ids:
+            return
+        self._num_calls += 1
+        try:
+            self._info_dict.update(job_states(ids))
+        except (SlurmCommandError, parse.SlurmParseError) as e:
+            log.warning("job state query failed (%s); state may be stale", e)
+        self._last_status_check = time.time()
+        for job_id in self._registered - self._finished:
+            if self.is_done(job_id, mode="cache"):
+                self._finished.add(job_id)
+
+
+class HetSlurmJob(submitit_slurm.SlurmJob[core.R]):
+    """A submitted het job, named by its leader's id."""
+
+    watcher = HetInfoWatcher(delay_s=60)
+
+    def cancel(self, check: bool = True) -> None:
+        commands.run(["scancel", self.job_id], check=check)
+
+
+def job_states(leader_ids: tp.Sequence[str]) -> dict[str, dict[str, str]]:
+    """{leader id: {"State", "NodeList", "Partition"}} of component 0, from squeue, else sacct (-c)."""
+    out: dict[str, dict[str, str]] = {}
+    fields = ("JobID", "HetJobID", "HetJobOffset", "State", "Partition", "NodeList")
+    for row in commands.squeue(leader_ids, fields=fields):
+        leader = row["HetJobID"] if row["HetJobID"] not in ("", "0", "N/A") else row["JobID"]
+        if row["HetJobOffset"] in ("0", "N/A", ""):
+            out[leader] = {"State": row["State"], "NodeList": row["NodeList"], "Partition": row["Partition"]}
+    missing = [j for j in leader_ids if j not in out]
+    if missing:  # past MinJobAge: accounting, or the jobcomp file (which names component 0 by the leader id)
+        for row in commands.sacct(missing, fields=("JobID", "State", "NodeList", "Partition")):
+            if row["JobID"] in missing:
+                out[row["JobID"]] = {"State": row["State"].split()[0], "NodeList": row["NodeList"],
+                                     "Partition": row["Partition"]}
+    return out
+
+
+class HetSlurmExecutor(submitit_slurm.SlurmExecutor):
+    """submitit's SlurmExecutor for a heterogeneous job: component 0 from its parameters, then one
+    `#SBATCH hetjob` block per entry of `components`. All SLURM commands go through commands.py."""
+
+    job_class = HetSlurmJob
+
+    def __init__(self, folder: str | Path, components: tp.Sequence[Component], *, max_num_timeout: int = 3,
+                 python: str | None = None) -> None:
+        super().__init__(folder, max_num_timeout=max_num_timeout, python=python)
+        if not 1 <= len(components) <= 2:
+            raise RlslurmError(f"a het job here has 2 or 3 components: got {len(components)} besides component 0")
+        self.components = tuple(components)
+
+    def _make_submission_file_text(self, command: str, uid: str) -> str:
+        params = dict(self.parameters)
+        # Without --het-group=0 a bare srun would start the pickled function in component 0 anyway, but
+        # saying so keeps it there if SLURM's default ever changes, and reads right in the script.
+        params["srun_args"] = ["--het-group=0", *(params.get("srun_args") or [])]
+        text = submitit_slurm._make_sbatch_string(command=command, folder=self.folder, **params)
+        lines = text.split("\n")
+        last = max(i for i, ln in enumerate(lines) if ln.startswith("#SBATCH"))
+        extra: list[str] = []
+        for i, comp in enumerate(self.components, start=1):
+            extra += ["#SBATCH hetjob", f"# component {i}: {comp.partition}", *comp.directives(params.get("time"))]
+        lines[last + 1:last + 1] = extra
+        text = "\n".join(lines)
+        # The batch shell and component 0's tasks learn their group here (22.05 sets no SLURM_HET_JOB_OFFSET).
+        return text.replace("export SUBMITIT_EXECUTOR=slurm", f"export SUBMITIT_EXECUTOR=slurm\nexport {GROUP_ENV}=0", 1)
+
+    def _submit_command(self, command: str) -> core.Job[tp.Any]:
+        # submitit's own version runs sbatch through its CommandFunction; this one goes through the seam.
+        tmp_uuid = uuid.uuid4().hex
+        folder = utils.JobPaths.get_first_id_independent_folder(self.folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        script = folder / f".submission_file_{tmp_uuid}.sh"
+        script.write_text(self._make_submission_file_text(command, tmp_uuid))
+        job_id = commands.sbatch([str(script)])
+        job: core.Job[tp.Any] = self.job_class(folder=self.folder, job_id=job_id, tasks=list(range(self._num_tasks())))
+        job.paths.move_temporary_file(script, "submission_file", keep_as_symlink=True)
+        self._write_job_id(job.job_id, tmp_uuid)
+        self._set_job_permissions(job.paths.folder)
+        log.info("submitted het job %s (%s + %s)", job_id, self.parameters.get("partition"),
+                 " + ".join(c.partition for c in self.components))
+        return job
+
+    @staticmethod
+    def _get_job_id_from_submission_command(string: bytes | str) -> str:
+        return parse.sbatch_parsable(string.decode() if isinstance(string, bytes) else string).job_id
+
+
+@dataclass(frozen=True)
+class ComponentInfo:
+    """One component as the batch shell sees it."""
+
+    group: int
+    job_id: str
+    partition: str
+    nodelist: str
+    nodes: tuple[str, ...]
+    ntasks: int
+
+
+@dataclass(frozen=True)
+class HetContext:
+    """Where the calling task sits in the het job."""
+
+    leader_job_id: str
+    group: int
+    rank: int
+    world: int
+    local_rank: int
+    node: str
+    restart_count: int
+    components: tuple[ComponentInfo, ...]
+
+
+def components_from_env(env: tp.Mapping[str, str]) -> tuple[ComponentInfo, ...]:
+    """The components of the het job from SLURM_HET_SIZE and SLURM_*_HET_GROUP_<n>."""
+    try:
+        size = int(env["SLURM_HET_SIZE"])
+    except (KeyError, ValueError) as e:
+        raise RlslurmError("not inside a heterogeneous SLURM job: SLURM_HET_SIZE is not set") from e
+    out = []
+    for g in range(size):
+        def get(name: str) -> str:
+            key = f"SLURM_{name}_HET_GROUP_{g}"
+            if key not in env:
+                raise RlslurmError(f"het job component {g}: {key} is not set")
+            return env[key]
+        nodelist = get("JOB_NODELIST")
+        out.append(ComponentInfo(g, get("JOB_ID"), get("JOB_PARTITION"), nodelist,
+                                 tuple(parse.expand_nodelist(nodelist)), int(get("NTASKS"))))
+    return tuple(out)
+
+
+def context(env: tp.Mapping[str, str] | None = None) -> HetContext:
+    """This task's HetContext (from os.environ unless `env` is given)."""
+    env = os.environ if env is None else env
+    comps = components_from_env(env)
+    group = int(env.get(GROUP_ENV, "0"))
+    return HetContext(
+        leader_job_id=comps[0].job_id, group=group,
+        rank=int(env.get("SLURM_PROCID", "0")), world=int(env.get("SLURM_STEP_NUM_TASKS", comps[group].ntasks)),
+        local_rank=int(env.get("SLURM_LOCALID", "0")), node=env.get("SLURMD_NODENAME", ""),
+        restart_count=int(env.get("SLURM_RESTART_COUNT", "0")), components=comps)
+
+
+class ComponentStep:
+    """The `srun --het-group=N` step that runs one component's tasks; `stop()` ends it."""
+
+    def __init__(self, group: int, argv: tp.Sequence[str], proc: subprocess.Popen) -> None:
+        self.group, self.argv, self.proc = group, tuple(argv), proc
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def wait(self, timeout_s: float) -> int:
+        """Wait up to timeout_s for the step to end; its srun exit code."""
+        log.info("waiting up to %.0f s for het group %d step %s", timeout_s, self.group, shlex.join(self.argv))
+        return self.proc.wait(timeout=timeout_s)
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        """SIGTERM the step's srun (it forwards the signal to every task); SIGKILL after timeout_s."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                return self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                log.warning("het group %d step ignored SIGTERM for %.0f s: SIGKILL", self.group, timeout_s)
+                self.proc.kill()
+        return self.proc.wait(timeout=timeout_s)
+
+
+def launch_component(group: int, argv: tp.Sequence[str], *, env: tp.Mapping[str, str] | None = None,
+                     output: str | Path | None = None, srun_args: tp.Sequence[str] = ()) -> ComponentStep:
+    """Start every task of component `group` with one `srun --het-group=N` (from inside the het job).
+
+    `output` is srun's --output pattern (default: stdout/stderr of this process); `env` adds variables.
+    """
+    if group < 1:
+        raise RlslurmError(f"launch_component starts components >= 1; component 0 runs the submitted function")
+    comps = components_from_env(os.environ)
+    if group >= len(comps):
+        raise RlslurmError(f"het job {comps[0].job_id} has {len(comps)} components; no component {group}")
+    cmd = ["srun", f"--het-group={group}", "--unbuffered", "--kill-on-bad-exit=1", *srun_args]
+    if output is not None:
+        cmd += ["--output", str(output)]
+    cmd += list(argv)
+    full_env = {**os.environ, **(env or {}), GROUP_ENV: str(group)}
+    log.info("het group %d (%s, %s): %s", group, comps[group].partition, comps[group].nodelist, shlex.join(cmd))
+    return ComponentStep(group, argv, subprocess.Popen(cmd, env=full_env))
+
+
+TEMPLATE = Path(__file__).resolve().parents[2] / "sbatch" / "hetjob.sbatch.template"
+
+
+def render_template(template: str | Path = TEMPLATE, **values: str | int | tp.Sequence[str]) -> str:
+    """Fill the `{{name}}` fields of an sbatch template; strings are shell-quoted, sequences are argv
+    (joined with quoting). Every field must be given and every value used."""
+    text = Path(template).read_text()
+    wanted = set(re.findall(r"\{\{(\w+)\}\}", text))
+    if wanted != set(values):
+        raise RlslurmError(f"{template}: missing fields {sorted(wanted - set(values))}, "
+                           f"unknown fields {sorted(set(values) - wanted)}")
+
+    def quote(v: str | int | tp.Sequence[str]) -> str:
+        if isinstance(v, int):
+            return str(v)
+        return shlex.quote(v) if isinstance(v, str) else shlex.join(v)
+
+    return re.sub(r"\{\{(\w+)\}\}", lambda m: quote(values[m.group(1)]), text)

@@ -1,0 +1,265 @@
+"""A throwaway real Slurm cluster on this machine: munge + slurmctld + 5 slurmd, all state in one directory.
+
+    python -m rlslurm.slurm.localcluster up --dir /tmp/slurm      # prints `export SLURM_CONF=...`
+    eval "$(python -m rlslurm.slurm.localcluster up --dir /tmp/slurm)"
+    python -m rlslurm.slurm.localcluster status --dir /tmp/slurm
+    python -m rlslurm.slurm.localcluster down --dir /tmp/slurm
+
+Runs as root (Debian's slurmctld/slurmd/munge, Slurm 22.05); touches no system path: keys, sockets, logs,
+spool, state and pid files all live under --dir, and `down` stops only the PIDs of its own pid files.
+
+Layout (facts behind it: /work/shared/notes/slurm-local.md):
+
+    partition  nodes     why
+    train      n[1-2]    het component 0 (trainer + controller)
+    rollout    n[3-4]    het component 1 (rollout engines)
+    cpu        n5        het component 2 (reward service). Its own node: the components of one het job
+                         must land on distinct nodes, and a node shared with train/rollout let a 3-part
+                         het job wait forever behind its own components.
+    urgent     n[1-5]    PriorityTier=10: a job here preempts (REQUEUEs) jobs of the others; for tests
+
+Ports are fixed (slurmctld 16817, slurmd 17001-17005), so only one cluster runs per machine.
+cred_expire=5 makes a requeued job restart after ~6 s instead of ~136 s. Accounting is off; finished jobs
+are in `jobcomp.txt` (read with `sacct -c`, see commands.sacct).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from rlslurm.errors import SlurmCommandError
+from rlslurm.slurm import commands
+
+log = logging.getLogger("rlslurm.slurm.localcluster")
+
+NODES = ("n1", "n2", "n3", "n4", "n5")
+CTLD_PORT = 16817
+SLURMD_BASE_PORT = 17001
+PARTITIONS = {"train": "n[1-2]", "rollout": "n[3-4]", "cpu": "n5"}
+URGENT_PARTITION = "urgent"
+
+SLURM_CONF = """\
+# Written by rlslurm.slurm.localcluster: a throwaway test cluster, all state under {d}
+ClusterName=rlslurm-local
+SlurmctldHost=localhost
+SlurmUser=root
+SlurmctldPort={ctld_port}
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={d}/munge.sock,cred_expire=5
+StateSaveLocation={d}/state
+SlurmdSpoolDir={d}/spool/%n
+SlurmctldPidFile={d}/slurmctld.pid
+SlurmdPidFile={d}/slurmd-%n.pid
+SlurmctldLogFile={d}/slurmctld.log
+SlurmdLogFile={d}/slurmd-%n.log
+PlugStackConfig={d}/plugstack.conf
+SlurmdParameters=config_overrides
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+MpiDefault=none
+ReturnToService=2
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=2,bf_interval=1
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+JobRequeue=1
+KillWait=5
+MinJobAge=600
+InactiveLimit=0
+JobCompType=jobcomp/filetxt
+JobCompLoc={d}/jobcomp.txt
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+NodeName=n[1-5] NodeHostname=localhost NodeAddr=127.0.0.1 Port={slurmd_ports} CPUs=2 RealMemory=2000 State=UNKNOWN
+{partitions}
+PartitionName={urgent} Nodes=n[1-5] PriorityTier=10 MaxTime=INFINITE State=UP
+"""
+
+
+@dataclass(frozen=True)
+class LocalCluster:
+    """Paths of a local cluster under `dir`; `up()` starts it, `down()` stops it."""
+
+    dir: Path
+
+    conf = property(lambda self: self.dir / "slurm.conf")
+    munge_socket = property(lambda self: self.dir / "munge.sock")
+
+    @property
+    def env(self) -> dict[str, str]:
+        """What a client needs to talk to this cluster."""
+        return {"SLURM_CONF": str(self.conf)}
+
+    def pid_files(self) -> list[Path]:
+        """slurmd first, then slurmctld, then munged: the order to stop them in."""
+        return [self.dir / f"slurmd-{n}.pid" for n in NODES] + [self.dir / "slurmctld.pid", self.dir / "munged.pid"]
+
+    def write_config(self) -> None:
+        d = self.dir
+        for sub in ("state", "spool", *(f"spool/{n}" for n in NODES)):
+            (d / sub).mkdir(parents=True, exist_ok=True)
+        (d / "plugstack.conf").write_text("")  # keep the system's SPANK plugins out of the test cluster
+        parts = "\n".join(f"PartitionName={p} Nodes={n} Default={'YES' if p == 'train' else 'NO'} "
+                          f"PriorityTier=1 MaxTime=INFINITE State=UP" for p, n in PARTITIONS.items())
+        ports = f"{SLURMD_BASE_PORT}-{SLURMD_BASE_PORT + len(NODES) - 1}"
+        self.conf.write_text(SLURM_CONF.format(d=d, ctld_port=CTLD_PORT, slurmd_ports=ports,
+                                               partitions=parts, urgent=URGENT_PARTITION))
+
+    def up(self, *, timeout_s: float = 30.0, clock: Callable[[], float] = time.monotonic,
+           sleep: Callable[[float], None] = time.sleep) -> float:
+        """Start munged, slurmctld (cold) and one slurmd per node; wait until every node is idle.
+        Returns the seconds it took. Raises SlurmCommandError (with the daemon log's tail) on failure."""
+        started = clock()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if self.running():
+            raise SlurmCommandError(f"a local cluster already runs from {self.dir} (down it first)")
+        self.write_config()
+        d = self.dir
+        if not (d / "munge.key").exists():
+            _daemon(["mungekey", "-c", "-k", str(d / "munge.key")], d / "mungekey.log")
+        _daemon(["munged", f"--socket={self.munge_socket}", f"--key-file={d / 'munge.key'}",
+                 f"--pid-file={d / 'munged.pid'}", f"--log-file={d / 'munged.log'}",
+                 f"--seed-file={d / 'munged.seed'}", "--force"], d / "munged.out")
+        _daemon(["slurmctld", "-f", str(self.conf), "-c"], d / "slurmctld.out")
+        for node in NODES:
+            _daemon(["slurmd", "-f", str(self.conf), "-N", node], d / f"slurmd-{node}.out")
+        self.wait_idle(timeout_s=timeout_s - (clock() - started), clock=clock, sleep=sleep)
+        return clock() - started
+
+    def wait_idle(self, *, timeout_s: float, clock: Callable[[], float] = time.monotonic,
+                  sleep: Callable[[float], None] = time.sleep) -> None:
+        """Poll `sinfo` every 0.2 s until all nodes are idle, for at most timeout_s."""
+        deadline = clock() + timeout_s
+        log.info("waiting up to %.0f s for nodes %s to be idle", timeout_s, ",".join(NODES))
+        last = "no answer yet"
+        while clock() < deadline:
+            try:
+                states = self.node_states()
+                last = str(states)
+                if set(states) == set(NODES) and all(s == "idle" for s in states.values()):
+                    return
+            except SlurmCommandError as e:
+                last = str(e)
+            sleep(0.2)
+        raise SlurmCommandError(f"local cluster in {self.dir} not idle after {timeout_s:.0f} s: {last}\n"
+                                + self.log_tails())
+
+    def node_states(self) -> dict[str, str]:
+        out = commands.run(["sinfo", "--Node", "--noheader", "--format=%N|%t"], env=self.env, timeout_s=5).stdout
+        states: dict[str, str] = {}
+        for ln in out.split():
+            name, _, state = ln.partition("|")
+            states[name] = state.rstrip("*~#")
+        return states
+
+    def kick(self) -> None:
+        """Make the scheduler look again. On an idle test cluster a requeued het job sits pending
+        (Reason=None) until something changes; a no-op partition update is such a change."""
+        commands.scontrol("update", "PartitionName=train", "State=UP", env=self.env)
+
+    def pids(self) -> dict[str, int]:
+        out = {}
+        for f in self.pid_files():
+            try:
+                out[f.stem] = int(f.read_text().split()[0])
+            except (OSError, ValueError, IndexError):
+                continue
+        return out
+
+    def running(self) -> dict[str, int]:
+        """Daemons of this cluster that are alive, by pid file."""
+        return {name: pid for name, pid in self.pids().items() if _alive(pid)}
+
+    def down(self, *, grace_s: float = 10.0, clock: Callable[[], float] = time.monotonic,
+             sleep: Callable[[float], None] = time.sleep) -> list[str]:
+        """TERM every daemon of this cluster (PIDs read before signalling), KILL what is left after grace_s."""
+        pids = self.running()
+        for name, pid in pids.items():
+            log.info("stopping %s (pid %d)", name, pid)
+            os.kill(pid, signal.SIGTERM)
+        deadline = clock() + grace_s
+        while clock() < deadline and any(_alive(p) for p in pids.values()):
+            sleep(0.1)
+        for name, pid in pids.items():
+            if _alive(pid):
+                log.warning("%s (pid %d) ignored SIGTERM for %.0f s: SIGKILL", name, pid, grace_s)
+                os.kill(pid, signal.SIGKILL)
+        return sorted(pids)
+
+    def log_tails(self, lines: int = 8) -> str:
+        out = []
+        for f in sorted(self.dir.glob("*.log")) + sorted(self.dir.glob("*.out")):
+            tail = f.read_text(errors="replace").splitlines()[-lines:]
+            if tail:
+                out.append(f"--- {f}\n" + "\n".join(tail))
+        return "\n".join(out)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie child of ours is not alive; reap it if it is one.
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        return done == 0
+    except ChildProcessError:
+        return True
+
+
+def _daemon(argv: list[str], out: Path) -> None:
+    """Run a daemon's start command (each daemonizes itself and writes its pid file)."""
+    log.info("start: %s", " ".join(argv))
+    with out.open("ab") as f:
+        proc = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, timeout=30)
+    if proc.returncode != 0:
+        raise SlurmCommandError(f"`{' '.join(argv)}` exited {proc.returncode}; see {out}:\n"
+                                + out.read_text(errors="replace")[-2000:])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rlslurm.slurm.localcluster", description=__doc__.split("\n")[0])
+    parser.add_argument("action", choices=("up", "down", "status"))
+    parser.add_argument("--dir", required=True, type=Path, help="directory holding all the cluster's state")
+    parser.add_argument("--timeout-s", type=float, default=30.0, help="how long `up` waits for idle nodes")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    cluster = LocalCluster(args.dir.resolve())
+    if args.action == "up":
+        took_s = cluster.up(timeout_s=args.timeout_s)
+        print(f"export SLURM_CONF={cluster.conf}")
+        print(f"# local cluster up in {took_s:.1f} s; partitions: "
+              + ", ".join(f"{p}={n}" for p, n in {**PARTITIONS, URGENT_PARTITION: 'n[1-5]'}.items()), file=sys.stderr)
+    elif args.action == "down":
+        stopped = cluster.down()
+        print(f"stopped: {', '.join(stopped) or 'nothing was running'}", file=sys.stderr)
+    else:
+        alive = cluster.running()
+        print(f"export SLURM_CONF={cluster.conf}")
+        print("daemons: " + (", ".join(f"{n}={p}" for n, p in alive.items()) or "none running"), file=sys.stderr)
+        if alive:
+            try:
+                print("nodes: " + ", ".join(f"{n}={s}" for n, s in cluster.node_states().items()), file=sys.stderr)
+            except SlurmCommandError as e:
+                print(f"nodes: {e}", file=sys.stderr)
+        return 0 if alive else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

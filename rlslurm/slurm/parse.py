@@ -1,0 +1,189 @@
+"""Pure parsers for what SLURM prints; no subprocesses here (those are in commands.py).
+
+    expand_nodelist("n[1-3,5],m7")          -> ["n1", "n2", "n3", "n5", "m7"]
+    parsable2("JobID|State\\n7|RUNNING\\n")  -> [{"JobID": "7", "State": "RUNNING"}]
+    scontrol_show("JobId=7 JobName=x ...")  -> [{"JobId": "7", "JobName": "x", ...}]   (one per het component)
+    squeue_format(text, fields)             -> rows of `squeue --Format=F:|,...`
+    sbatch_parsable("7;cluster\\n")          -> SbatchId(job_id="7", cluster="cluster")
+    jobcomp_line("JobId=7 ... JobState=COMPLETED ...") -> {"JobId": "7", ...}
+    split_job_id("7+1")                     -> ("7", 1)
+
+Anything these do not understand raises `SlurmParseError` quoting the input, never a guess. Tests:
+tests/unit/test_slurm_parse.py (tables of real outputs from the local cluster and SLURM's docs).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Sequence
+
+from rlslurm.errors import SlurmParseError
+
+_EMPTY_NODELISTS = {"", "(null)", "None assigned", "None"}
+_HOST_GROUP = re.compile(r"([^,\[\]]*)(?:\[([^\[\]]*)\])?")
+# A key of `scontrol show` / jobcomp output: `JobId=`, `Socks/Node=`, `NtasksPerN:B:S:C=`, `TRES=` ...
+_KEY = re.compile(r"^([A-Za-z][A-Za-z0-9_/:.\-]*)=(.*)$", re.S)
+
+
+def _ranges(body: str, where: str) -> list[str]:
+    """`1-3,5,08-10` -> ["1", "2", "3", "5", "08", "09", "10"] (zero padding kept, as SLURM does)."""
+    out: list[str] = []
+    for part in body.split(","):
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part.strip())
+        if not m:
+            raise SlurmParseError(f"bad range {part!r} in node list {where!r}")
+        lo, hi = m.group(1), m.group(2) or m.group(1)
+        if int(hi) < int(lo):
+            raise SlurmParseError(f"descending range {part!r} in node list {where!r}")
+        width = len(lo) if lo.startswith("0") else 0
+        out += [str(i).zfill(width) for i in range(int(lo), int(hi) + 1)]
+    return out
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split at commas outside brackets: `n[1-2],m[3,5]` -> [`n[1-2]`, `m[3,5]`]."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch == "[":
+            depth += 1
+            if depth > 1:
+                raise SlurmParseError(f"nested '[' in node list {text!r}")
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise SlurmParseError(f"unbalanced ']' in node list {text!r}")
+        elif ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    if depth:
+        raise SlurmParseError(f"unclosed '[' in node list {text!r}")
+    parts.append(text[start:])
+    return parts
+
+
+def expand_nodelist(text: str) -> list[str]:
+    """Host names of a SLURM node list (`n[1-3,5],m7`, `rack[1-2]-gpu[01-02]`); empty for `(null)`."""
+    text = text.strip()
+    if text in _EMPTY_NODELISTS:
+        return []
+    hosts: list[str] = []
+    for part in _split_top_level(text):
+        if not part or any(c.isspace() for c in part):
+            raise SlurmParseError(f"empty or blank host in node list {text!r}")
+        names = [""]
+        pos = 0
+        while pos < len(part):
+            m = _HOST_GROUP.match(part, pos)
+            if m is None or m.end() == pos:
+                raise SlurmParseError(f"cannot read node list {text!r} at {part[pos:]!r}")
+            prefix, body = m.group(1), m.group(2)
+            choices = _ranges(body, text) if body is not None else [""]
+            names = [n + prefix + c for n in names for c in choices]
+            pos = m.end()
+        hosts += names
+    return hosts
+
+
+def parsable2(text: str) -> list[dict[str, str]]:
+    """Rows of `sacct/sinfo --parsable2` (a header line, then `|`-separated rows, no trailing `|`)."""
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    if not lines:
+        return []
+    header = lines[0].split("|")
+    if any(not h for h in header):
+        raise SlurmParseError(f"--parsable2 header has an empty column name: {lines[0]!r}")
+    rows = []
+    for ln in lines[1:]:
+        cells = ln.split("|")
+        if len(cells) != len(header):
+            raise SlurmParseError(f"--parsable2 row has {len(cells)} cells, header has {len(header)}: {ln!r}")
+        rows.append(dict(zip(header, cells)))
+    return rows
+
+
+def key_values(text: str) -> dict[str, str]:
+    """`Key=value Key2=v a l u e` -> dict; a token without `Key=` continues the previous value (a path
+    with spaces, a Reason with words)."""
+    record: dict[str, str] = {}
+    last = None
+    for token in text.split():
+        m = _KEY.match(token)
+        if m:
+            last = m.group(1)
+            record[last] = m.group(2)
+        elif last is None:
+            raise SlurmParseError(f"expected Key=value, got {token!r} in {text[:200]!r}")
+        else:
+            record[last] += " " + token
+    return record
+
+
+def scontrol_show(text: str) -> list[dict[str, str]]:
+    """Records of `scontrol show job|node|partition` (with or without -o): one dict per record, so a het
+    job gives one per component (HetJobId, HetJobOffset set)."""
+    text = text.strip()
+    if not text or text.startswith("No jobs in the system"):
+        return []
+    lines = text.splitlines()
+    if any(ln[:1].isspace() for ln in lines):  # multi-line form: indented lines, blank line between records
+        chunks = re.split(r"\n\s*\n", text)
+    else:  # -o form: one record per line
+        chunks = lines
+    records = [key_values(c) for c in chunks if c.strip()]
+    for r in records:
+        if not r:
+            raise SlurmParseError(f"empty scontrol record in {text[:200]!r}")
+    return records
+
+
+def squeue_format(text: str, fields: Sequence[str]) -> list[dict[str, str]]:
+    """Rows of `squeue --noheader --Format=F1:|,F2:|,...` (each cell ends with `|`)."""
+    rows = []
+    for ln in text.splitlines():
+        if not ln.strip():
+            continue
+        cells = ln.rstrip("\n").split("|")
+        if cells[-1].strip():
+            raise SlurmParseError(f"squeue row does not end with '|': {ln!r}")
+        cells = [c.strip() for c in cells[:-1]]
+        if len(cells) != len(fields):
+            raise SlurmParseError(f"squeue row has {len(cells)} cells for {len(fields)} fields {list(fields)}: {ln!r}")
+        rows.append(dict(zip(fields, cells)))
+    return rows
+
+
+@dataclass(frozen=True)
+class SbatchId:
+    """What `sbatch --parsable` printed: the job id and, on a federation / multi-cluster, the cluster."""
+
+    job_id: str
+    cluster: str | None = None
+
+
+def sbatch_parsable(text: str) -> SbatchId:
+    """`12` or `12;cluster` (from --parsable); also accepts the plain `Submitted batch job 12`."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    if not lines:
+        raise SlurmParseError("sbatch printed nothing (expected a job id)")
+    last = lines[-1]  # sbatch may print warnings first
+    m = re.fullmatch(r"(?:Submitted batch job )?(\d+)(?:;(\S+))?", last)
+    if not m:
+        raise SlurmParseError(f"cannot find a job id in sbatch output {text!r}")
+    return SbatchId(m.group(1), m.group(2))
+
+
+def jobcomp_line(line: str) -> dict[str, str]:
+    """One line of jobcomp/filetxt (`JobId=7 UserId=root(0) ... JobState=COMPLETED ...`)."""
+    record = key_values(line)
+    if "JobId" not in record or "JobState" not in record:
+        raise SlurmParseError(f"jobcomp line lacks JobId or JobState: {line[:200]!r}")
+    return record
+
+
+def split_job_id(text: str) -> tuple[str, int | None]:
+    """`7` -> ("7", None); `7+1` (a het component, as squeue and sacct print it) -> ("7", 1)."""
+    m = re.fullmatch(r"(\d+)(?:\+(\d+))?", text.strip())
+    if not m:
+        raise SlurmParseError(f"not a job id: {text!r}")
+    return m.group(1), (int(m.group(2)) if m.group(2) is not None else None)

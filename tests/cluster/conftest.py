@@ -1,0 +1,74 @@
+"""The real local Slurm cluster for tests/cluster: started once per session in a temp dir, torn down after.
+
+    python -m pytest -q tests/cluster          # needs root and Debian's slurmctld/slurmd/munge
+    python -m pytest -q -m "not cluster" tests # everything else, where no cluster can run
+
+A cluster that cannot start is a test error with the reason, never a skip: a skipped cluster test
+would prove nothing.
+
+The fixture `slurm_cluster` sets SLURM_CONF for the session (every SLURM client reads it) and yields a
+`ClusterHandle`: `.conf`, `.dir`, `.up_s` (measured bring-up time) and `.kick()` (the backfill nudge a
+requeued het job needs on an idle test cluster; see rlslurm/slurm/localcluster.py).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from rlslurm.errors import RlslurmError
+from rlslurm.slurm.localcluster import LocalCluster
+
+
+
+@dataclass
+class ClusterHandle:
+    cluster: LocalCluster
+    up_s: float
+
+    @property
+    def conf(self) -> Path:
+        return self.cluster.conf
+
+    @property
+    def dir(self) -> Path:
+        return self.cluster.dir
+
+    def kick(self) -> None:
+        self.cluster.kick()
+
+
+def _cannot_start(reason: str):
+    raise RuntimeError(f"the local Slurm cluster cannot start: {reason} "
+                       '(deselect these tests with -m "not cluster" where no cluster can run)')
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    missing = [b for b in ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "srun") if shutil.which(b) is None]
+    if missing:
+        _cannot_start(f"not installed: {', '.join(missing)} (apt-get install slurmctld slurmd slurm-client munge)")
+    if os.geteuid() != 0:
+        _cannot_start("the local cluster runs its daemons as root (SlurmUser=root); this user is not root")
+    cluster = LocalCluster(Path(tempfile.mkdtemp(prefix="rlslurm-cluster-")))
+    try:
+        up_s = cluster.up(timeout_s=30)
+    except (RlslurmError, OSError) as e:
+        cluster.down()
+        _cannot_start(f"{e}")
+    old = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = str(cluster.conf)
+    try:
+        yield ClusterHandle(cluster, up_s)
+    finally:
+        if old is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = old
+        cluster.down()
+        shutil.rmtree(cluster.dir, ignore_errors=True)
