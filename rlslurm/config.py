@@ -42,8 +42,8 @@ from rlslurm.train_config import TrainConfig
 class JobSpec:
     name: str = "rlslurm-job"
     """Job name shown by SLURM and used in the run directory's name."""
-    kind: Literal["sft", "rl"] = "rl"
-    """Which entrance: sft = offline data, rl = GRPO with rollout, reward and weight sync."""
+    kind: Literal["sft", "rl", "toy"] = "rl"
+    """Which entrance: sft = offline data, rl = GRPO with rollout, reward and weight sync, toy = the spine's deterministic test loop."""
 
     def __post_init__(self):
         check(bool(self.name) and "/" not in self.name and not self.name.startswith("."), "name",

@@ -41,7 +41,7 @@ class Topology:
         else:
             rank, world, local = 0, 1, 0
         addr = e.get("MASTER_ADDR") or _first_slurm_node(e) or "127.0.0.1"
-        port = int(e.get("MASTER_PORT", default_port))
+        port = int(e.get("MASTER_PORT") or _port_for_job(e) or default_port)
         return cls(rank, world, local, addr, port)
 
     @property
@@ -49,17 +49,49 @@ class Topology:
         return self.rank == 0
 
 
+def _port_for_job(e) -> int | None:
+    """A rendezvous port every task of one job start computes alike, distinct across jobs and restarts
+    (two jobs on one node must not both take 29500; a restart must not meet its predecessor's socket)."""
+    job = e.get("RLSLURM_LEADER_JOB_ID") or e.get("SLURM_JOB_ID")
+    if not job or not job.isdigit():
+        return None
+    return 15000 + (int(job) * 8 + int(e.get("SLURM_RESTART_COUNT", "0"))) % 30000
+
+
+def free_port() -> int:
+    """A TCP port free on this host right now (for local runs, which have no job id to derive one from)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def _first_slurm_node(e) -> str | None:
-    # All slurmd of the local test cluster share one host; on a real cluster the first node's name
-    # resolves. Parsing the nodelist belongs to rlslurm.slurm.parse; imported lazily to keep this light.
     nodelist = e.get("SLURM_STEP_NODELIST") or e.get("SLURM_JOB_NODELIST")
     if not nodelist:
         return None
-    if e.get("RLSLURM_LOCAL_CLUSTER") == "1":
-        return "127.0.0.1"
-    from rlslurm.slurm.parse import expand_nodelist
+    from rlslurm.slurm.parse import expand_nodelist  # lazily: this module stays light off SLURM
 
-    return expand_nodelist(nodelist)[0]
+    return node_address(expand_nodelist(nodelist)[0])
+
+
+def node_address(node: str) -> str:
+    """An address of a SLURM node that peers can connect to: its resolvable name, else slurmd's NodeAddr
+    (on the local test cluster every node is 127.0.0.1 and no name resolves)."""
+    import socket
+
+    try:
+        socket.gethostbyname(node)
+        return node
+    except OSError:
+        pass
+    from rlslurm.slurm import commands
+
+    for record in commands.show_node(node):
+        if record.get("NodeAddr"):
+            return record["NodeAddr"]
+    return node
 
 
 def backend_for_device() -> str:

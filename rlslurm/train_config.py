@@ -24,9 +24,24 @@ class TrainConfig:
     """HF-layout safetensors checkpoint to start from; null = the embedded model at random init."""
     seed: int = 0
     """Seed of every RNG (data order, init, sampling)."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """After warmup: constant = stay at train.lr; cosine = decay to 0 at train.steps."""
+    warmup_steps: int = 0
+    """Steps of linear warmup from 0 to train.lr."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    dist_timeout_s: float = 120.0
+    """Seconds a rank waits for its peers in the process group (join and collectives) before failing."""
+    step_delay_s: float = 0.0
+    """job.kind toy only: idle seconds per step standing in for compute, so spine tests can signal mid-run."""
 
     def __post_init__(self):
         check(self.steps >= 1, "steps", "must be >= 1")
         check(self.lr > 0, "lr", "must be > 0")
         check(self.batch_size >= 1, "batch_size", "must be >= 1")
         check(self.grad_clip >= 0, "grad_clip", "must be >= 0")
+        check(0 <= self.warmup_steps < self.steps, "warmup_steps",
+              f"must be >= 0 and less than train.steps = {self.steps}")
+        check(self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        check(self.dist_timeout_s > 0, "dist_timeout_s", "must be > 0 (seconds)")
+        check(self.step_delay_s >= 0, "step_delay_s", "must be >= 0 (seconds)")

@@ -40,9 +40,9 @@ def cli(ctx: click.Context, debug: bool) -> None:
 
 def _register() -> None:
     # Each subcommand lives in its own module; importing it here keeps `rlslurm --help` complete.
-    from rlslurm.cli import plan, validate
+    from rlslurm.cli import plan, status, submit, validate
 
-    for module in (validate, plan):
+    for module in (validate, plan, submit, status):
         cli.add_command(module.command)
 
 

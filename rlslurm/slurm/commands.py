@@ -133,6 +133,11 @@ def show_job(job_id: str, **kw) -> list[dict[str, str]]:
     return parse.scontrol_show(scontrol("show", "job", "-o", str(job_id), **kw))
 
 
+def show_node(node: str, **kw) -> list[dict[str, str]]:
+    """`scontrol show node -o NAME` parsed (NodeAddr, State, Partitions, ...)."""
+    return parse.scontrol_show(scontrol("show", "node", "-o", node, **kw))
+
+
 def requeue(job_id: str, **kw) -> None:
     """`scontrol requeue ID` (a het job only through its leader): SIGTERM now, restart later."""
     scontrol("requeue", str(job_id), **kw)

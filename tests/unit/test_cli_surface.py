@@ -10,6 +10,8 @@ from rlslurm.cli.main import cli
 
 SURFACE = {
     "plan": ["--explain", "--json"],
+    "status": ["--json", "--run-root"],
+    "submit": ["--backend", "--force", "--run-root", "--wait"],
     "validate": ["--print"],
 }
 

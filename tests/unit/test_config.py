@@ -32,7 +32,7 @@ MALFORMED = [
     ("diag: {hang_timeout_s: 0}\n", ["diag.hang_timeout_s = 0", "must be > 0", "seconds without progress"]),
     ("rl: {samples_per_prompt: 1}\n", ["rl.samples_per_prompt", "must be >= 2"]),
     ("sync: {method: carrier-pigeon}\n", ["sync.method", "must be one of 'auto', 'disk', 'broadcast', 'ipc'"]),
-    ("job: {kind: dpo}\n", ["job.kind", "'sft', 'rl'"]),
+    ("job: {kind: dpo}\n", ["job.kind", "'sft', 'rl', 'toy'"]),
     ("rl: [1, 2]\n", ["rl must be a mapping", "samples_per_prompt"]),
     ("rl: {clip_eps: 0.2\n", ["invalid YAML at line"]),
     ("- just\n- a list\n", ["top level must be a mapping"]),

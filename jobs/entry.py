@@ -1,0 +1,145 @@
+"""The one entry of every job process: picks the role from where the task runs, then the entrance.
+
+    submitit pickles `run_component(run_dir)`: it runs in every task of het component 0 (SLURM) or in
+    every local task. Other components are started by component 0's rank 0:
+    python -m rlslurm.jobs.entry --run-dir D --role rollout|reward
+
+Roles: `train` (trainer ranks; rank 0 is also the controller), `rollout` (engines), `reward` (the
+reward service). Entrances by `job.kind`: toy (the spine's deterministic loop), sft, rl.
+The return value is the lifecycle exit code (rlslurm/lifecycle.py); codes that mean "a human must look"
+raise, so SLURM and submitit record a failure.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import click
+
+from rlslurm import events
+from rlslurm.config import load_config
+from rlslurm.errors import RlslurmError
+from rlslurm.lifecycle import ExitCode, leader_job_id, needs_requeue, requeue_job
+from rlslurm.rundir import ENV_VAR, RunDir
+
+log = logging.getLogger("rlslurm.jobs.entry")
+ROLES = {0: "train", 1: "rollout", 2: "reward"}
+
+
+def _on_slurm() -> bool:
+    return "SLURM_HET_SIZE" in os.environ or "SLURM_JOB_ID" in os.environ
+
+
+def _record_placement(run: RunDir, role: str) -> None:
+    """Where this task landed: one line per task and start in placement.jsonl (status and diag read it)."""
+    run.append_json(run.path / "placement.jsonl", {
+        "t": time.time(), "role": role, "rank": int(os.environ.get("RLSLURM_RANK", "0")),
+        "node": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
+        "partition": os.environ.get("SLURM_JOB_PARTITION"), "job_id": leader_job_id(),
+        "restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0")), "pid": os.getpid(),
+    })
+
+
+def _start_components(run: RunDir, kind: str) -> list:
+    """On SLURM, rank 0 of component 0 starts every further component with one srun per group."""
+    from rlslurm.slurm import hetjob
+
+    ctx = hetjob.context()
+    steps = []
+    for comp in ctx.components[1:]:
+        role = ROLES[comp.group]
+        argv = [sys.executable, "-m", "rlslurm.jobs.entry", "--run-dir", str(run.path), "--role", role]
+        out = run.logs / f"{role}-%j-%t.log"
+        steps.append(hetjob.launch_component(comp.group, argv, output=str(out), srun_args=["--open-mode=append"]))
+        events.emit(run, "component_started", component=comp.group, component_role=role, partition=comp.partition,
+                    nodes=list(comp.nodes), job_kind=kind)
+    return steps
+
+
+def _train_role(run: RunDir) -> int:
+    job = load_config(run.config)
+    kind = job.job.kind
+    if kind == "toy":
+        from rlslurm.jobs import toytrain
+
+        return int(toytrain.train(run.path, job, step_delay_s=job.train.step_delay_s))
+    if kind == "sft":
+        from rlslurm.jobs import sft
+
+        return int(sft.run_sft(job, run.path) or 0)
+    from rlslurm.jobs import rl
+
+    return int(rl.run(job, run.path) or 0)
+
+
+def run_component(run_dir: str) -> int:
+    """What `rlslurm submit` pickles: the train role of component 0 (and the launcher of the others)."""
+    run = RunDir(Path(run_dir))
+    os.environ[ENV_VAR] = str(run.path)
+    os.environ["RLSLURM_ROLE"] = "train"
+    from rlslurm.dist import Topology
+
+    topo = Topology.detect()
+    os.environ["RLSLURM_RANK"] = str(topo.rank)
+    _record_placement(run, "train")
+    steps = []
+    if topo.is_main and "SLURM_HET_SIZE" in os.environ:
+        steps = _start_components(run, load_config(run.config).job.kind)
+    try:
+        code = _train_role(run)
+    finally:
+        for step in steps:
+            step.stop(timeout_s=30)
+    if needs_requeue(code) and topo.is_main and leader_job_id():
+        requeue_job(leader_job_id())
+    if code in (ExitCode.DONE, ExitCode.DRAINED, ExitCode.HANG_DETECTED):
+        return code
+    raise RlslurmError(f"rank {topo.rank} of {run.path} ended with exit code {code} ({ExitCode(code).name}); "
+                       f"see {run.events}")
+
+
+def _stand_in(run: RunDir, role: str) -> int:
+    """The toy job's other components: record where they run, beat, and wait to be stopped.
+
+    The spine's tests need a real het component on the rollout partition before the RL engines exist;
+    this process is that component: it shows placement, heartbeats and env fingerprints like an engine.
+    """
+    stop = threading.Event()
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    while not stop.wait(1.0):
+        pass
+    return 0
+
+
+@click.command()
+@click.option("--run-dir", required=True, type=click.Path(file_okay=False), help="The run directory.")
+@click.option("--role", type=click.Choice(["rollout", "reward"]), required=True, help="Which component this is.")
+def main(run_dir: str, role: str) -> None:
+    run = RunDir(Path(run_dir))
+    os.environ[ENV_VAR] = str(run.path)
+    os.environ["RLSLURM_ROLE"] = role
+    os.environ.setdefault("RLSLURM_RANK", os.environ.get("SLURM_PROCID", "0"))
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(name)s: %(message)s")
+    _record_placement(run, role)
+    job = load_config(run.config)
+    if job.job.kind == "rl" and role == "rollout":
+        from rlslurm.jobs import rl
+
+        sys.exit(rl.run_engine(job, run.path))
+    if job.job.kind == "rl" and role == "reward":
+        from rlslurm.jobs import rl
+
+        sys.exit(rl.run_reward(job, run.path))
+    sys.exit(_stand_in(run, role))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+"""`rlslurm drain <jobid|rundir>`: ask a running job to stop taking work, checkpoint and leave.
+
+    rlslurm drain runs/rl-demo --reason "node maintenance"
+
+Writes <run>/control/drain; every process's drain gate notices it at its next phase boundary.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from rlslurm.diag.bundle import find_run
+from rlslurm.diag.watchdog import request_drain
+from rlslurm.events import emit
+
+
+@click.command("drain")
+@click.argument("target")
+@click.option("--reason", default="requested by rlslurm drain", show_default=True, help="Why (kept in the events).")
+@click.option("--run-root", type=click.Path(file_okay=False), default=None, help="Where run directories live.")
+def command(target: str, reason: str, run_root: str | None) -> None:
+    """Request a drain of TARGET (a run directory or SLURM job id)."""
+    run, job_id = find_run(target, Path(run_root) if run_root else None)
+    path = request_drain(run, reason)
+    emit(run, "drain_requested", role="cli", rank=None, reason=reason, job_id=job_id, file=str(path))
+    click.echo(f"drain requested: {path} ({reason})")

@@ -1,0 +1,27 @@
+"""`rlslurm submit config.yaml`: validate, pre-flight, run directory, then a SLURM het job or a local run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from rlslurm.config import load_config
+
+
+@click.command("submit")
+@click.argument("config", type=click.Path(dir_okay=False))
+@click.option("--force", is_flag=True, help="Submit although the plan's pre-flight refuses (OOM, divisibility).")
+@click.option("--backend", type=click.Choice(["slurm", "local"]), help="Override cluster.backend.")
+@click.option("--run-root", type=click.Path(file_okay=False), help="Override cluster.run_root.")
+@click.option("--wait", is_flag=True, help="Block until the job ends; exit non-zero if it failed.")
+def command(config: str, force: bool, backend: str | None, run_root: str | None, wait: bool) -> None:
+    """Submit the job described by CONFIG and print its id and run directory."""
+    from rlslurm import launch
+
+    job = load_config(config)
+    sub = launch.submit(job, config_text=Path(config).read_text(), force=force, backend=backend, run_root=run_root)
+    click.echo(launch.describe(sub))
+    if wait:
+        results = launch.wait(sub)
+        click.echo(f"job {sub.job_id} ended: {results}")

@@ -1,0 +1,210 @@
+"""`rlslurm submit`: validate, pre-flight, create the run directory, submit through submitit.
+
+On SLURM the job is one heterogeneous job (rlslurm/slurm/hetjob.py): component 0 on the train partition
+runs the trainer ranks (rank 0 is also the controller), component 1 on the rollout partition runs the
+rollout engines, and a component 2 on `reward.partition` runs the reward service when
+`reward.service = component`. With no SLURM (or `cluster.backend: local`) the same entry function runs
+through submitit's local executor on this machine.
+
+Every start of the job finds its way from the run directory alone (RLSLURM_RUN_DIR): the resolved
+config, the plan, and the checkpoints it resumes from.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from rlslurm import events
+from rlslurm.config import JobConfig
+from rlslurm.configfile import to_dict
+from rlslurm.errors import PreflightError, RlslurmError, SlurmCommandError
+from rlslurm.rundir import ENV_VAR, RunDir
+
+log = logging.getLogger("rlslurm.launch")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How many nodes and tasks each component gets, derived from the config and the plan."""
+
+    train_nodes: int
+    train_tasks_per_node: int
+    rollout_nodes: int
+    rollout_tasks_per_node: int
+    reward_component: bool
+
+    @property
+    def train_world(self) -> int:
+        return self.train_nodes * self.train_tasks_per_node
+
+
+@dataclass(frozen=True)
+class Submission:
+    """What submit returns: enough to follow the job."""
+
+    job_id: str
+    backend: str
+    run_dir: Path
+    job: object  # the submitit Job, to wait on its result
+
+
+def layout(job: JobConfig, rollout_nodes: int) -> Layout:
+    """Nodes and tasks per component. Colocated rollout (rollout_nodes = 0) runs inside component 0."""
+    hw, cl = job.hardware, job.cluster
+    tasks = cl.tasks_per_node or hw.gpus_per_node
+    needs_rollout = job.job.kind in ("rl", "toy")
+    rollout = rollout_nodes if needs_rollout else 0
+    if needs_rollout and job.placement.mode == "separate" and rollout == 0:
+        raise PreflightError("placement.mode = 'separate' but placement.rollout_nodes = 0: give rollout a node "
+                             "or set placement.mode: colocate")
+    engines_per_node = max(1, -(-job.rollout.engines // rollout)) if rollout else 0
+    return Layout(train_nodes=hw.nodes - rollout, train_tasks_per_node=tasks, rollout_nodes=rollout,
+                  rollout_tasks_per_node=engines_per_node,
+                  reward_component=job.reward.service == "component")
+
+
+def resolve_backend(job: JobConfig, override: str | None = None) -> str:
+    """slurm or local. auto = slurm where sbatch is on PATH and the controller answers `scontrol ping`."""
+    backend = override or job.cluster.backend
+    if backend != "auto":
+        return backend
+    if shutil.which("sbatch") is None:
+        return "local"
+    from rlslurm.slurm import commands
+
+    try:
+        out = commands.scontrol("ping", timeout_s=10)
+    except SlurmCommandError:
+        return "local"
+    return "slurm" if " is UP" in out else "local"
+
+
+def new_run_dir(job: JobConfig, root: str | Path | None = None) -> RunDir:
+    """<run_root>/<job name>-<UTC time>[-n]: a fresh directory, never an existing run's."""
+    base = Path(root or job.cluster.run_root).resolve()
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    path, n = base / f"{job.job.name}-{stamp}", 1
+    while path.exists():
+        n += 1
+        path = base / f"{job.job.name}-{stamp}-{n}"
+    return RunDir(path).create()
+
+
+def prepare(job: JobConfig, *, config_text: str, force: bool = False, run_root: str | Path | None = None):
+    """Plan, pre-flight and a new run directory holding the config and the plan. Nothing is submitted."""
+    from rlslurm.plan.report import build_plan, preflight, render_json
+
+    plan = build_plan(job)
+    problems = preflight(plan)
+    if problems and not force:
+        raise PreflightError("the plan says this job cannot run as configured:\n  - " + "\n  - ".join(problems)
+                             + "\n(rlslurm plan shows the numbers; --force submits anyway)")
+    run = new_run_dir(job, run_root)
+    run.config.write_text(yaml.safe_dump(to_dict(job), sort_keys=False))
+    (run.path / "config.submitted.yaml").write_text(config_text)
+    run.plan.write_text(render_json(plan))
+    if problems:
+        events.emit(run, "preflight_forced", problems=problems)
+    return run, plan
+
+
+def submit(job: JobConfig, *, config_text: str, force: bool = False, backend: str | None = None,
+           run_root: str | Path | None = None) -> Submission:
+    """Validate -> plan -> pre-flight -> run directory -> submit; returns the job id and run directory."""
+    run, plan = prepare(job, config_text=config_text, force=force, run_root=run_root)
+    chosen = resolve_backend(job, backend)
+    lay = layout(job, plan.chosen.rollout_nodes if plan.placement == "separate" else 0)
+    if chosen == "slurm":
+        sub = _submit_slurm(job, run, lay)
+    else:
+        sub = _submit_local(job, run, lay)
+    run.append_json(run.path / "submissions.jsonl",
+                    {"t": time.time(), "job_id": sub.job_id, "backend": chosen, "layout": lay.__dict__})
+    events.emit(run, "submitted", job_id=sub.job_id, backend=chosen, layout=lay.__dict__)
+    return sub
+
+
+def _submit_slurm(job: JobConfig, run: RunDir, lay: Layout) -> Submission:
+    from rlslurm.jobs.entry import run_component
+    from rlslurm.slurm.hetjob import Component, HetSlurmExecutor
+
+    cl = job.cluster
+    extra = []
+    if lay.rollout_nodes:
+        extra.append(Component(partition=cl.rollout_partition, nodes=lay.rollout_nodes,
+                               ntasks_per_node=lay.rollout_tasks_per_node, cpus_per_task=cl.cpus_per_task,
+                               mem_gb=cl.mem_gb, gres=cl.gres_per_node))
+    if lay.reward_component:
+        if not lay.rollout_nodes:
+            raise PreflightError("reward.service = 'component' needs a rollout component too (het component 2 "
+                                 "follows component 1); use reward.service: local with colocated rollout")
+        extra.append(Component(partition=job.reward.partition or "", nodes=1, ntasks_per_node=1,
+                               cpus_per_task=cl.cpus_per_task))
+    executor = HetSlurmExecutor(run.logs / "submitit", components=extra)
+    params: dict = dict(partition=cl.train_partition, nodes=lay.train_nodes, ntasks_per_node=lay.train_tasks_per_node,
+                        cpus_per_task=cl.cpus_per_task, time=cl.time_limit_min, job_name=job.job.name,
+                        # USR1 to every task (not only the batch shell): each rank's drain gate sees it.
+                        additional_parameters={"requeue": True, "signal": f"USR1@{cl.signal_before_s}"},
+                        setup=[f"export {ENV_VAR}={shlex.quote(str(run.path))}",
+                               "export RLSLURM_LEADER_JOB_ID=${SLURM_JOB_ID}"])
+    if cl.mem_gb:
+        params["mem"] = f"{int(cl.mem_gb)}GB"
+    if cl.gres_per_node:
+        params["gres"] = cl.gres_per_node
+    for option in cl.extra_sbatch:
+        key, _, value = option.lstrip("-").partition("=")
+        params["additional_parameters"][key.replace("-", "_")] = value or True
+    executor.update_parameters(**params)
+    sjob = executor.submit(run_component, str(run.path))
+    return Submission(job_id=str(sjob.job_id), backend="slurm", run_dir=run.path, job=sjob)
+
+
+def _submit_local(job: JobConfig, run: RunDir, lay: Layout) -> Submission:
+    import submitit
+
+    from rlslurm.jobs.entry import run_component
+
+    executor = submitit.LocalExecutor(folder=run.logs / "submitit")
+    # The local executor gives tasks only SUBMITIT_LOCAL_* variables; rlslurm/dist.py maps them.
+    executor.update_parameters(tasks_per_node=lay.train_world, nodes=1, timeout_min=job.cluster.time_limit_min)
+    from rlslurm.dist import free_port
+
+    # Local tasks inherit this process's environment at submit time.
+    os.environ[ENV_VAR] = str(run.path)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(free_port())
+    sjob = executor.submit(run_component, str(run.path))
+    return Submission(job_id=str(sjob.job_id), backend="local", run_dir=run.path, job=sjob)
+
+
+def python_argv(module: str, *args: str) -> list[str]:
+    """argv that runs `python -m module args` with this interpreter (same venv on every node)."""
+    return [sys.executable, "-m", module, *args]
+
+
+def describe(sub: Submission) -> str:
+    """The lines submit prints: job id, run directory, how to follow it."""
+    return "\n".join([
+        f"submitted {sub.backend} job {sub.job_id}",
+        f"run directory: {sub.run_dir}",
+        f"follow: rlslurm status {sub.run_dir}   |   tail -f {shlex.quote(str(sub.run_dir / 'events.jsonl'))}",
+    ])
+
+
+def wait(sub: Submission, timeout_s: float | None = None, poll_s: float = 2.0) -> object:
+    """Block until the job's component 0 finished (bounded, logged); returns its result or raises."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while not sub.job.done():
+        if deadline is not None and time.monotonic() > deadline:
+            raise RlslurmError(f"job {sub.job_id} still running after {timeout_s:.0f} s; run dir {sub.run_dir}")
+        log.info("waiting for job %s (%s)", sub.job_id, sub.run_dir)
+        time.sleep(poll_s)
+    return sub.job.results()

@@ -1,0 +1,133 @@
+"""`rlslurm status <jobid|rundir>`: what a job is doing now, read from SLURM and its run directory.
+
+SLURM side: the state of each het component (squeue while the job is known to slurmctld, then
+scontrol / sacct, or `sacct -c` where there is no accounting database), nodes and restarts. Run side:
+the latest start, current step and phase per role from the heartbeats, the last complete checkpoint,
+and the last events.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rlslurm.errors import RunDirError, SlurmCommandError, SlurmParseError
+from rlslurm.rundir import RunDir, read_jsonl
+
+
+@dataclass
+class Status:
+    """One snapshot of a job."""
+
+    run_dir: Path
+    job_id: str | None
+    backend: str | None
+    components: list[dict] = field(default_factory=list)
+    restarts: int = 0
+    roles: list[dict] = field(default_factory=list)
+    checkpoint: str | None = None
+    last_events: list[dict] = field(default_factory=list)
+    slurm_error: str | None = None
+
+
+def find_run(target: str, run_root: str | Path | None = None) -> tuple[RunDir, str | None]:
+    """A run directory from a path, or from a job id recorded by submit (submissions.jsonl) or by a start
+    (jobs.jsonl) under run_root; returns the run and its newest job id."""
+    path = Path(target)
+    if path.is_dir() and (path / "config.yaml").is_file():
+        run = RunDir(path)
+        return run, _newest_job_id(run)
+    roots = [Path(run_root)] if run_root else [Path("runs"), Path(".")]
+    for root in roots:
+        for candidate in sorted(root.glob("*/config.yaml"), reverse=True):
+            run = RunDir(candidate.parent)
+            ids = {str(r.get("job_id")) for r in read_jsonl(run.path / "submissions.jsonl") + read_jsonl(run.jobs)}
+            if str(target) in ids:
+                return run, str(target)
+    raise RunDirError(f"{target!r} is neither a run directory nor a job id recorded under "
+                      f"{', '.join(str(r) for r in roots)} (pass --run-root DIR)")
+
+
+def _newest_job_id(run: RunDir) -> str | None:
+    for record in reversed(read_jsonl(run.path / "submissions.jsonl")):
+        if record.get("job_id"):
+            return str(record["job_id"])
+    return None
+
+
+def _backend(run: RunDir) -> str | None:
+    subs = read_jsonl(run.path / "submissions.jsonl")
+    return subs[-1].get("backend") if subs else None
+
+
+def slurm_components(job_id: str) -> list[dict]:
+    """State, partition, nodes and restarts of each component of a (het) job, newest source first."""
+    from rlslurm.slurm import commands, parse
+
+    rows = []
+    try:
+        for record in commands.show_job(job_id):
+            rows.append({"job_id": record.get("JobId"), "component": record.get("HetJobOffset", "0"),
+                         "state": record.get("JobState"), "reason": record.get("Reason"),
+                         "partition": record.get("Partition"), "nodes": record.get("NodeList"),
+                         "restarts": int(record.get("Restarts", "0") or 0)})
+        return rows
+    except (SlurmCommandError, SlurmParseError):
+        pass  # gone from slurmctld (MinJobAge): ask accounting / the jobcomp file
+    for record in commands.sacct([job_id]):
+        rows.append({"job_id": record.get("JobID"), "component": parse.split_job_id(record.get("JobID", ""))[1] or 0,
+                     "state": record.get("State"), "reason": None, "partition": record.get("Partition"),
+                     "nodes": record.get("NodeList"), "restarts": None})
+    return rows
+
+
+def collect(target: str, run_root: str | Path | None = None) -> Status:
+    """Everything `rlslurm status` shows."""
+    from rlslurm.checkpoint import latest_complete
+    from rlslurm.diag.heartbeat import read_heartbeats
+    from rlslurm.events import read_events
+
+    run, job_id = find_run(target, run_root)
+    status = Status(run_dir=run.path, job_id=job_id, backend=_backend(run))
+    if job_id and status.backend == "slurm":
+        try:
+            status.components = slurm_components(job_id)
+        except (SlurmCommandError, SlurmParseError) as e:
+            status.slurm_error = str(e)
+        status.restarts = max((c["restarts"] or 0 for c in status.components), default=0)
+    starts = read_jsonl(run.jobs)
+    status.restarts = max(status.restarts, max((s.get("restart_count") or 0 for s in starts), default=0))
+    now = time.time()
+    for hb in read_heartbeats(run):
+        status.roles.append({"role": hb.get("role"), "rank": hb.get("rank"), "host": hb.get("host"),
+                             "step": hb.get("step"), "phase": hb.get("phase"),
+                             "progress_age_s": round(now - hb.get("last_progress", now), 1)})
+    ckpt = latest_complete(run, tidy=False)
+    status.checkpoint = ckpt.path.name if ckpt else None
+    status.last_events = read_events(run)[-8:]
+    return status
+
+
+def render(status: Status) -> str:
+    """The human view."""
+    lines = [f"run directory: {status.run_dir}",
+             f"job: {status.job_id or '-'} ({status.backend or 'unknown backend'}), restarts: {status.restarts}"]
+    if status.slurm_error:
+        lines.append(f"SLURM: {status.slurm_error}")
+    for c in status.components:
+        reason = f" ({c['reason']})" if c.get("reason") not in (None, "None") else ""
+        lines.append(f"  component {c['component']}: {c['state']}{reason} partition={c['partition']} nodes={c['nodes']}")
+    if status.roles:
+        lines.append("roles:")
+        for r in sorted(status.roles, key=lambda r: (str(r["role"]), r["rank"] or 0)):
+            lines.append(f"  {r['role']}-{r['rank']} on {r['host']}: step {r['step']} phase {r['phase']} "
+                         f"(last progress {r['progress_age_s']} s ago)")
+    lines.append(f"last complete checkpoint: {status.checkpoint or 'none'}")
+    if status.last_events:
+        lines.append("last events:")
+        for e in status.last_events:
+            extra = {k: v for k, v in e.items() if k not in ("t", "kind", "host", "pid", "role", "rank")}
+            stamp = time.strftime("%H:%M:%S", time.localtime(e.get("t", 0)))
+            lines.append(f"  {stamp} {e.get('kind')} {e.get('role')}-{e.get('rank')} {extra if extra else ''}".rstrip())
+    return "\n".join(lines) + "\n"
