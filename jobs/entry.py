@@ -72,7 +72,8 @@ def _train_role(run: RunDir) -> int:
     if kind == "sft":
         from rlslurm.jobs import sft
 
-        return int(sft.run_sft(job, run.path) or 0)
+        sft.run_sft(job, run.path)
+        return ExitCode.DONE
     from rlslurm.jobs import rl
 
     return int(rl.run(job, run.path) or 0)

@@ -119,11 +119,36 @@ class JobConfig:
                 f"hardware.nodes = {self.hardware.nodes} x hardware.gpus_per_node = {self.hardware.gpus_per_node})")
 
 
-def load_config(path: str | Path) -> JobConfig:
-    """Read, validate and return the job config at `path`; raises ConfigError naming the key."""
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
+    """Read, validate and return the job config at `path`; raises ConfigError naming the key.
+
+    `overrides` are `section.key=value` strings (the CLI's --set); values are parsed as YAML.
+    """
     data = read_yaml(path)
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections, not {type(data).__name__}")
+    for item in overrides:
+        apply_override(data, item, str(path))
     return load_mapping(JobConfig, data, source=str(path))
+
+
+def apply_override(data: dict, item: str, source: str) -> None:
+    """Set `a.b.c=value` inside the raw mapping; validation afterwards names the key as usual."""
+    import yaml
+
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"{source}: --set {item!r} must look like section.key=value")
+    parts = key.strip().split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{source}: --set {item!r}: {part} is not a section")
+        node = child
+    try:
+        node[parts[-1]] = yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source}: --set {item!r}: the value is not valid YAML ({e})") from None

@@ -12,6 +12,7 @@ A config class states its own value rules in `__post_init__` with `check(...)`, 
 from __future__ import annotations
 
 import ast
+import re
 import dataclasses
 import difflib
 import functools
@@ -146,6 +147,8 @@ class _Loader:
                 raise self.fail(key, f"= {raw!r} must be an integer{hint}")
             return raw
         if tp is float:
+            if isinstance(raw, str) and _SCIENTIFIC.fullmatch(raw.strip()):
+                raw = float(raw)  # PyYAML reads `1e-5` (no dot) as a string: YAML 1.1 wants `1.0e-5`
             if isinstance(raw, bool) or not isinstance(raw, (int, float)):
                 raise self.fail(key, f"= {raw!r} must be a number{hint}")
             return float(raw)
@@ -193,6 +196,7 @@ class _Loader:
 
 
 _NOTHING = object()
+_SCIENTIFIC = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")
 
 
 def _lookup(kwargs: dict, dotted: str) -> Any:

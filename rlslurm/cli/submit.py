@@ -11,15 +11,16 @@ from rlslurm.config import load_config
 
 @click.command("submit")
 @click.argument("config", type=click.Path(dir_okay=False))
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config key, e.g. train.steps=50.")
 @click.option("--force", is_flag=True, help="Submit although the plan's pre-flight refuses (OOM, divisibility).")
 @click.option("--backend", type=click.Choice(["slurm", "local"]), help="Override cluster.backend.")
 @click.option("--run-root", type=click.Path(file_okay=False), help="Override cluster.run_root.")
 @click.option("--wait", is_flag=True, help="Block until the job ends; exit non-zero if it failed.")
-def command(config: str, force: bool, backend: str | None, run_root: str | None, wait: bool) -> None:
+def command(config: str, overrides: tuple[str, ...], force: bool, backend: str | None, run_root: str | None, wait: bool) -> None:
     """Submit the job described by CONFIG and print its id and run directory."""
     from rlslurm import launch
 
-    job = load_config(config)
+    job = load_config(config, overrides)
     sub = launch.submit(job, config_text=Path(config).read_text(), force=force, backend=backend, run_root=run_root)
     click.echo(launch.describe(sub))
     if wait:

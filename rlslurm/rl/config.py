@@ -19,6 +19,8 @@ class RLConfig:
     """Weight of the KL penalty to the reference (initial) policy; 0 = no reference model."""
     max_staleness: int = 0
     """Policy versions a sample may lag behind the trainer; 0 = synchronous."""
+    eval_every: int = 5
+    """Steps between two greedy held-out evaluations of the served policy (also at the start and the end)."""
 
     def __post_init__(self):
         check(self.prompts_per_step >= 1, "prompts_per_step", "must be >= 1")
@@ -27,3 +29,4 @@ class RLConfig:
         check(0 < self.clip_eps < 1, "clip_eps", "must be in (0, 1)")
         check(self.kl_coef >= 0, "kl_coef", "must be >= 0")
         check(self.max_staleness >= 0, "max_staleness", "must be >= 0")
+        check(self.eval_every >= 1, "eval_every", "must be >= 1")

@@ -9,10 +9,10 @@ from rlslurm import __version__
 from rlslurm.cli.main import cli
 
 SURFACE = {
-    "plan": ["--explain", "--json"],
+    "plan": ["--explain", "--json", "--set"],
     "status": ["--json", "--run-root"],
-    "submit": ["--backend", "--force", "--run-root", "--wait"],
-    "validate": ["--print"],
+    "submit": ["--backend", "--force", "--run-root", "--set", "--wait"],
+    "validate": ["--print", "--set"],
 }
 
 
