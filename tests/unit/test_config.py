@@ -18,7 +18,7 @@ MALFORMED = [
     ("rl: {samples_per_promt: 4}\n", ["rl.samples_per_promt", "Did you mean 'samples_per_prompt'", "Valid keys"]),
     ("job: {name: x}\nbogus_section: {}\n", ["bogus_section", "is not a key of the top level", "cluster"]),
     ("rl: {prompts_per_step: many}\n", ["rl.prompts_per_step", "must be an integer"]),
-    ("train: {lr: '1e-3'}\n", ["train.lr", "must be a number"]),
+    ("train: {lr: fast}\n", ["train.lr", "must be a number"]),
     ("hardware: {nodes: -1}\n", ["hardware.nodes", "= -1", "must be >= 1"]),
     ("hardware: {gpus_per_node: 0}\n", ["hardware.gpus_per_node", "must be >= 1"]),
     ("hardware: {profile: h99-1t}\n", ["hardware.profile", "known: h20-96g"]),
@@ -120,3 +120,21 @@ def test_example_configs_load():
     examples = sorted(Path(__file__).resolve().parents[2].joinpath("examples").glob("*.yaml"))
     for path in examples:
         load_config(path)
+
+
+def test_scientific_notation_without_a_dot_is_a_number(tmp_path: Path):
+    # PyYAML (YAML 1.1) reads 1e-5 as a string; users write it that way, and --set passes it so.
+    path = tmp_path / "job.yaml"
+    path.write_text("train: {lr: 1e-5}\n")
+    assert load_config(path).train.lr == 1e-5
+    assert load_config(path, ["train.lr=3e-4"]).train.lr == 3e-4
+
+
+def test_set_overrides_are_validated_like_the_file(tmp_path: Path):
+    path = tmp_path / "job.yaml"
+    path.write_text("rl: {samples_per_prompt: 4}\n")
+    assert load_config(path, ["rl.samples_per_prompt=16", "job.name=x"]).rl.samples_per_prompt == 16
+    with pytest.raises(ConfigError, match="rl.samples_per_prompt = 1 must be >= 2"):
+        load_config(path, ["rl.samples_per_prompt=1"])
+    with pytest.raises(ConfigError, match="must look like section.key=value"):
+        load_config(path, ["rl.samples_per_prompt"])
