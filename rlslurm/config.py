@@ -97,7 +97,8 @@ class JobConfig:
             check(bool(self.reward.partition), "reward.partition",
                   "is required when reward.service = 'component' (the SLURM partition of the reward component)")
         m = self.model
-        for rule in static_rules(self.parallel, m.layers, m.heads, m.n_kv_heads, m.experts, hw.gpus_per_node):
+        for rule in static_rules(self.parallel, m.layers, m.heads, m.n_kv_heads, m.experts, hw.gpus_per_node,
+                                 self.rollout.tp):
             raise FieldError(rule.keys[0], rule.message)
         world = self.train_gpus()
         if world is not None:

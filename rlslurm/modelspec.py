@@ -23,6 +23,8 @@ class ModelConfig:
     """Attention heads."""
     kv_heads: int | None = None
     """Key/value heads for grouped-query attention; null = heads (plain multi-head attention)."""
+    head_dim: int | None = None
+    """Size of one attention head; null = hidden / heads (Qwen3-style models set it larger)."""
     ffn_hidden: int = 256
     """Hidden size of the dense MLP (per expert: `expert_ffn_hidden`)."""
     vocab: int = 32
@@ -51,6 +53,7 @@ class ModelConfig:
         if self.kv_heads is not None:
             check(self.kv_heads > 0 and self.heads % self.kv_heads == 0, "kv_heads",
                   f"must be > 0 and divide model.heads = {self.heads}")
+        check(self.head_dim is None or self.head_dim > 0, "head_dim", "must be > 0")
         check(self.experts >= 0, "experts", "must be >= 0")
         if self.experts:
             check(0 < self.topk <= self.experts, "topk", f"must be in 1..model.experts = {self.experts}")
@@ -65,3 +68,69 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.experts > 0 or bool(self.expert_params_b)
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim or self.hidden // self.heads
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameter counts of a model: what the shape gives, and what the planner uses (overrides win)."""
+
+    dense: float
+    """Non-expert parameters: embeddings, attention, norms, routers, dense MLPs."""
+    expert: float
+    """All routed-expert parameters (every layer, every expert)."""
+    active: float
+    """Parameters read per decoded token: dense + topk experts of every layer."""
+    shape_dense: float
+    shape_expert: float
+    shape_active: float
+    overridden: tuple[str, ...]
+    """Names of the `model.*_params_b` overrides that replaced a shape count."""
+
+    @property
+    def total(self) -> float:
+        return self.dense + self.expert
+
+
+def shape_counts(m: ModelConfig) -> tuple[float, float, float]:
+    """(dense, expert, active) parameters of the Llama/Qwen-MoE layout the shape describes.
+
+    Llama layout, no biases: q and o are hidden x heads*head_dim, k and v hidden x kv_heads*head_dim,
+    a SwiGLU MLP has three matrices (gate, up, down), two RMSNorms per layer and one at the end. An MoE
+    layer replaces the MLP with `experts` SwiGLU experts plus a hidden x experts router.
+    """
+    attention = m.hidden * m.dim_per_head * (2 * m.heads + 2 * m.n_kv_heads)
+    norms = 2 * m.hidden
+    embeddings = m.vocab * m.hidden * (1 if m.tie_embeddings else 2)
+    one_expert = 3 * m.hidden * (m.expert_ffn_hidden or m.ffn_hidden)
+    if m.experts:
+        dense_layer, expert = attention + norms + m.hidden * m.experts, m.layers * m.experts * one_expert
+        active_expert = m.layers * m.topk * one_expert
+    else:
+        dense_layer, expert, active_expert = attention + norms + 3 * m.hidden * m.ffn_hidden, 0, 0
+    dense = m.layers * dense_layer + m.hidden + embeddings
+    return float(dense), float(expert), float(dense + active_expert)
+
+
+def param_counts(m: ModelConfig) -> ParamCounts:
+    """Counts from the shape, each replaced by its `model.*_params_b` override where one is set."""
+    dense, expert, active = shape_counts(m)
+    overridden = tuple(name for name in ("dense_params_b", "expert_params_b", "active_params_b")
+                       if getattr(m, name) is not None)
+
+    def pick(override: float | None, computed: float) -> float:
+        return computed if override is None else override * 1e9
+
+    use_dense, use_expert = pick(m.dense_params_b, dense), pick(m.expert_params_b, expert)
+    if m.active_params_b is not None:
+        use_active = m.active_params_b * 1e9
+    elif m.expert_params_b is not None or m.dense_params_b is not None:
+        # Keep the shape's routed share (topk / experts) of whatever expert count is used.
+        share = (m.topk / m.experts) if m.experts else 0.0
+        use_active = use_dense + share * use_expert
+    else:
+        use_active = active
+    return ParamCounts(use_dense, use_expert, use_active, dense, expert, active, overridden)

@@ -1,0 +1,8 @@
+"""The planner behind `rlslurm plan`: arithmetic before asking for GPUs.
+
+    hardware.py  GPUs, links, filesystem          memory.py      trainer memory per GPU, verdicts
+    parallel.py  layout and divisibility rules     splits.py      train/rollout splits, the advice
+    placement.py colocate vs. separate, offload    decode.py      KV cache, capacity, decode roofline
+    steptime.py  sync, reward, step split          checkpoint_interval.py  Young / Daly
+    quantity.py  a number with its terms           report.py      build_plan, preflight; render.py views
+"""

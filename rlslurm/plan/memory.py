@@ -7,10 +7,14 @@ distributed optimizer over DP (dense) or the expert-DP group DP/EP (experts).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
 from rlslurm.configfile import check
+from rlslurm.modelspec import ModelConfig, ParamCounts
+from rlslurm.plan.parallel import ParallelConfig
+from rlslurm.plan.quantity import Q, gb, params
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,3 +53,131 @@ class MemoryConfig:
         check(0 <= self.not_advised_headroom_pct <= self.tight_headroom_pct < 100, "tight_headroom_pct",
               f"must satisfy 0 <= memory.not_advised_headroom_pct ({self.not_advised_headroom_pct}) "
               f"<= memory.tight_headroom_pct ({self.tight_headroom_pct}) < 100")
+
+
+Verdict = Literal["ok", "tight", "not advised", "OOM"]
+
+
+def verdict(headroom_pct: float, memory: MemoryConfig) -> Verdict:
+    """ok / tight / not advised / OOM from the headroom left under the GPU's memory."""
+    if headroom_pct < 0:
+        return "OOM"
+    if headroom_pct < memory.not_advised_headroom_pct:
+        return "not advised"
+    if headroom_pct < memory.tight_headroom_pct:
+        return "tight"
+    return "ok"
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Activation memory per GPU of the first pipeline stage (the worst), logits included."""
+
+    layers: Q
+    logits: Q
+    temporaries: Q
+    total: Q
+    fused_ce_saving: Q
+
+
+def activations(model: ModelConfig, parallel: ParallelConfig, memory: MemoryConfig) -> Activations:
+    """Korthikanti et al. (2022), 'Reducing Activation Recomputation in Large Transformer Models'.
+
+    Per layer, bf16, with sequence parallelism whenever TP > 1 (Megatron's default with TP):
+      none:      s b h (34 + 5 a s / h) / t      selective: 34 s b h / t      full: 2 s b h / t
+    where 19 of the 34 are the MLP's (for a 4h MLP): scaled here by the MLP width a token passes
+    through (ffn_hidden, or topk x expert_ffn_hidden for MoE) over 4h. With 1F1B the first stage keeps
+    PP micro-batches of L/PP layers, i.e. L layers' worth, whatever PP is. s is split by CP.
+    """
+    p, m = parallel, model
+    s, b, h, a, t = p.seq_len / p.cp, p.micro_batch_size, m.hidden, m.heads, p.tp
+    width = m.topk * (m.expert_ffn_hidden or m.ffn_hidden) if m.experts else m.ffn_hidden
+    mlp = 19 * width / (4 * h)
+    per_token = {"none": 15 + mlp + 5 * a * s / h, "selective": 15 + mlp, "full": 2.0}[memory.recompute]
+    formula = {"none": f"(15 + MLP {mlp:.3g} + 5 a {a} s / h)", "selective": f"(15 + MLP {mlp:.3g})",
+               "full": "2"}[memory.recompute]
+    layer_bytes = m.layers * s * b * h * per_token / t
+    layers = Q("layer activations", gb(layer_bytes), "GB",
+               f"{m.layers} layers x s {s:g} x b {b} x h {h} x {formula} B / TP {t} "
+               f"(recompute {memory.recompute})")
+    logit_bytes = b * s * m.vocab * 4 * 2 / t
+    if memory.logits_gb is not None:
+        logits = Q("logits + CE", memory.logits_gb, "GB", "memory.logits_gb (measured)")
+    else:
+        logits = Q("logits + CE", gb(logit_bytes), "GB",
+                   f"b {b} x s {s:g} x vocab {m.vocab} x 4 B (fp32) x 2 (with grad) / TP {t}")
+    temps = Q("temporaries", memory.temporaries_gb, "GB", "memory.temporaries_gb")
+    if memory.activation_gb is not None:
+        total = Q("activations + temporaries", memory.activation_gb, "GB",
+                  "memory.activation_gb (calibrated; includes logits and temporaries)")
+        unused = " [shown for comparison: memory.activation_gb replaces it]"
+        layers = dataclasses.replace(layers, how=layers.how + unused)
+        temps = dataclasses.replace(temps, how=temps.how + unused)
+    else:
+        total = Q("activations + temporaries", layers.value + logits.value + temps.value, "GB",
+                  f"{layers.text()} layers + {logits.text()} logits + {temps.text()} temporaries")
+    saving = logits.value if memory.fused_ce else 0.0
+    fused = Q("fused CE saving", saving, "GB",
+              f"logits {logits.text()} never materialised (memory.fused_ce)" if memory.fused_ce
+              else "memory.fused_ce = false")
+    return Activations(layers, logits, temps, total, fused)
+
+
+@dataclass(frozen=True)
+class TrainerMemory:
+    """Per-GPU memory of one trainer rank at a given DP: resident state, activations, peak, verdict."""
+
+    dp: int
+    expert_dp: float
+    weights: Q
+    grads: Q
+    dense_optimizer: Q
+    expert_optimizer: Q
+    other: Q
+    resident: Q
+    activations: Activations
+    peak: Q
+    headroom_pct: Q
+    verdict: Verdict
+
+    @property
+    def terms(self) -> list[Q]:
+        act = self.activations
+        return [self.weights, self.grads, self.dense_optimizer, self.expert_optimizer, self.other,
+                self.resident, act.layers, act.logits, act.temporaries, act.total, act.fused_ce_saving,
+                self.peak, self.headroom_pct]
+
+
+def trainer_memory(counts: ParamCounts, model: ModelConfig, parallel: ParallelConfig, memory: MemoryConfig,
+                   hbm_gb: float, dp: int) -> TrainerMemory:
+    """Per-GPU trainer memory at data-parallel size `dp` (the caller checked that EP divides it).
+
+    Parameters shard over TP x PP (experts also over EP, expert TP = TP as Megatron's default). Weights
+    and the gradient buffer stay whole on every rank; only the optimizer state is sharded: dense over DP,
+    experts over the expert-DP group DP / EP. Fewer training GPUs -> smaller groups -> more per GPU.
+    """
+    p = parallel
+    dense = counts.dense / (p.tp * p.pp)
+    expert = counts.expert / (p.ep * p.tp * p.pp)
+    expert_dp = dp / p.ep
+    shards = f"({params(dense)} dense + {params(expert)} expert) params"
+    weights = Q("weights", gb((dense + expert) * memory.weight_bytes), "GB", f"{shards} x {memory.weight_bytes:g} B")
+    grads = Q("gradients", gb((dense + expert) * memory.grad_bytes), "GB", f"{shards} x {memory.grad_bytes:g} B")
+    ob = memory.optimizer_bytes
+    if memory.distributed_optimizer:
+        dense_opt = Q("dense optimizer", gb(dense * ob / dp), "GB", f"{params(dense)} params x {ob:g} B / DP {dp}")
+        expert_opt = Q("expert optimizer", gb(expert * ob / expert_dp), "GB",
+                       f"{params(expert)} params x {ob:g} B / expert-DP {expert_dp:g}")
+    else:
+        dense_opt = Q("dense optimizer", gb(dense * ob), "GB", f"{params(dense)} params x {ob:g} B (not sharded)")
+        expert_opt = Q("expert optimizer", gb(expert * ob), "GB", f"{params(expert)} params x {ob:g} B (not sharded)")
+    other = Q("other resident", memory.other_resident_gb, "GB", "memory.other_resident_gb")
+    parts = (weights, grads, dense_opt, expert_opt, other)
+    resident = Q("resident", sum(q.value for q in parts), "GB", " + ".join(q.text() for q in parts))
+    act = activations(model, parallel, memory)
+    peak_gb = resident.value + act.total.value - act.fused_ce_saving.value
+    peak = Q("peak", peak_gb, "GB",
+             f"resident {resident.text()} + activations {act.total.text()} - fused CE {act.fused_ce_saving.text()}")
+    headroom = Q("headroom", 100.0 * (hbm_gb - peak_gb) / hbm_gb, "%", f"({hbm_gb:g} GB - peak {peak.text()}) / {hbm_gb:g} GB")
+    return TrainerMemory(dp, expert_dp, weights, grads, dense_opt, expert_opt, other, resident, act, peak,
+                         headroom, verdict(headroom.value, memory))

@@ -46,10 +46,23 @@ def data_parallel(parallel: ParallelConfig, world: int) -> int:
 
 
 def static_rules(parallel: ParallelConfig, layers: int, heads: int, kv_heads: int, experts: int,
-                 gpus_per_node: int) -> list[Rule]:
-    """Rules that hold or break whatever the number of training GPUs."""
+                 gpus_per_node: int, rollout_tp: int | None = None) -> list[Rule]:
+    """Rules that hold or break whatever the number of training GPUs (rollout_tp: the engines' TP)."""
     p = parallel
     broken: list[Rule] = []
+    if p.cp > 1 and p.seq_len % (2 * p.cp):
+        # Megatron's CP cuts the sequence into 2 x CP chunks so every rank gets equal causal work.
+        broken.append(Rule(("parallel.cp", "parallel.seq_len"),
+                           f"2 x parallel.cp = {2 * p.cp} does not divide parallel.seq_len = {p.seq_len} "
+                           "(context parallelism splits the sequence into 2 x CP chunks)"))
+    elif p.tp > 1 and (p.seq_len // p.cp) % p.tp:
+        broken.append(Rule(("parallel.tp", "parallel.seq_len"),
+                           f"parallel.tp = {p.tp} does not divide the per-CP sequence "
+                           f"{p.seq_len // p.cp} tokens (sequence parallelism splits it over TP)"))
+    if rollout_tp is not None and heads % rollout_tp:
+        broken.append(Rule(("rollout.tp", "model.heads"),
+                           f"rollout.tp = {rollout_tp} does not divide model.heads = {heads} "
+                           "(an engine splits attention heads over its GPUs)"))
     if p.tp > gpus_per_node or gpus_per_node % p.tp:
         broken.append(Rule(("parallel.tp", "hardware.gpus_per_node"),
                            f"parallel.tp = {p.tp} must divide hardware.gpus_per_node = {gpus_per_node} "
@@ -66,6 +79,14 @@ def static_rules(parallel: ParallelConfig, layers: int, heads: int, kv_heads: in
     if p.ep > 1 and not experts:
         broken.append(Rule(("parallel.ep", "model.experts"), f"parallel.ep = {p.ep} needs an MoE model (model.experts = 0)"))
     return broken
+
+
+def rollout_rules(rollout_gpus: int, rollout_tp: int) -> list[Rule]:
+    """Rules between the rollout GPUs of a split and the engines' TP size."""
+    if rollout_gpus and rollout_gpus % rollout_tp:
+        return [Rule(("rollout.tp",), f"rollout.tp = {rollout_tp} does not divide the {rollout_gpus} rollout GPUs "
+                                      "(every engine needs whole TP groups)")]
+    return []
 
 
 def world_rules(parallel: ParallelConfig, world: int) -> list[Rule]:
