@@ -10,7 +10,7 @@ install:
 	bash sbatch/install.sh $(VENV)
 
 demo: install
-	$(VENV)/bin/rlslurm plan examples/lecture-h20.yaml
+	RLSLURM=$(VENV)/bin/rlslurm bash examples/demo.sh
 
 # tests/cluster starts a real local Slurm (root, Debian packages); one that cannot start is an error.
 test: install
