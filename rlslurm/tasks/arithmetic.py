@@ -1,0 +1,89 @@
+"""The arithmetic task: generated problems ("12+7=" -> "19"), disjoint splits, and the scoring rule.
+
+    train, held_out = make_splits(job.task)
+    score(train[0], "19")      # 1.0 or 0.0
+
+Problems are every (a, op, b) with operands in 0..max_operand (subtraction only where a >= b, so each
+answer is a non-negative integer), shuffled by `task.seed`; train takes the first `train_size`, held-out
+the next `eval_size`. The same seed gives the same splits on every rank, run and requeue.
+
+`score` is the one verifiable rule: SFT evaluation, the RL reward and the reward service all call it.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+
+from rlslurm.tasks.config import TaskConfig
+from rlslurm.tokenizer import SPECIALS
+
+_INTEGER = re.compile(r"[+-]?\d+")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One arithmetic problem: `prompt` is what the model sees, `target` the exact completion to learn."""
+
+    a: int
+    op: str
+    b: int
+
+    @property
+    def answer(self) -> int:
+        return self.a + self.b if self.op == "+" else self.a - self.b
+
+    @property
+    def prompt(self) -> str:
+        return format_prompt(self.a, self.op, self.b)
+
+    @property
+    def target(self) -> str:
+        return str(self.answer)
+
+
+def format_prompt(a: int, op: str, b: int) -> str:
+    """The prompt text of one problem; no spaces, so one character is one token."""
+    return f"{a}{op}{b}="
+
+
+def all_problems(max_operand: int, operations: tuple[str, ...]) -> list[Problem]:
+    """Every distinct problem in a fixed order (the order the shuffle starts from)."""
+    out = []
+    for op in sorted(set(operations)):
+        for a in range(max_operand + 1):
+            for b in range(max_operand + 1):
+                if op == "-" and a < b:
+                    continue
+                out.append(Problem(a, op, b))
+    return out
+
+
+def make_splits(task: TaskConfig) -> tuple[list[Problem], list[Problem]]:
+    """(train, held_out): deterministic from task.seed, disjoint by construction."""
+    problems = all_problems(task.max_operand, task.operations)
+    # random.Random(seed).shuffle is stable across Python versions for an int seed, so splits written
+    # down today are the splits a requeued job regenerates tomorrow.
+    random.Random(task.seed).shuffle(problems)
+    train = problems[: task.train_size]
+    held_out = problems[task.train_size : task.train_size + task.eval_size]
+    return train, held_out
+
+
+def normalize(response: str) -> str:
+    """The response as the scorer reads it: special-token text removed, whitespace dropped."""
+    for token in SPECIALS:
+        response = response.replace(token, "")
+    return "".join(response.split())
+
+
+def parse_answer(response: str) -> int | None:
+    """The integer a response states, or None when it is not exactly one integer."""
+    text = normalize(response)
+    return int(text) if _INTEGER.fullmatch(text) else None
+
+
+def score(problem: Problem, response: str) -> float:
+    """1.0 when the response is exactly the answer (after normalisation: "019", " 19 </s>" count), else 0.0."""
+    return 1.0 if parse_answer(response) == problem.answer else 0.0

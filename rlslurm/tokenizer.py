@@ -1,0 +1,64 @@
+"""The embedded model's tokenizer: one token per character of the arithmetic alphabet, built here.
+
+Nothing comes from a hub: `build_tokenizer()` makes a `tokenizers` word-level model over single characters
+(digits, operators, '=', space) plus <pad>/<s>/</s>/<unk>, and `save_tokenizer(dir)` writes
+tokenizer.json + tokenizer_config.json + special_tokens_map.json so that `AutoTokenizer.from_pretrained(dir)`
+loads it — which is exactly what vLLM and the HF rollout engine do with an exported model directory.
+
+Encoding adds <s> in front (the post-processor), so a prompt encodes the same whether a trainer or an
+engine tokenizes it; generation stops at </s>.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast
+
+PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
+SPECIALS = (PAD, BOS, EOS, UNK)
+# Order fixes the ids: specials 0-3, then the alphabet. Changing it breaks every exported model.
+ALPHABET = tuple("0123456789") + ("+", "-", "*", "=", " ")
+VOCAB = {token: i for i, token in enumerate(SPECIALS + ALPHABET)}
+PAD_ID, BOS_ID, EOS_ID = VOCAB[PAD], VOCAB[BOS], VOCAB[EOS]
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """The character-level tokenizer as a transformers fast tokenizer (left padding, for batched generation)."""
+    core = Tokenizer(models.WordLevel(vocab=dict(VOCAB), unk_token=UNK))
+    # Every character is its own pre-token; the word-level model then maps it to an id (or <unk>).
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A $B",
+                                                        special_tokens=[(BOS, BOS_ID)])
+    # Without Fuse, decoding would join characters with spaces ("1 9" for "19").
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK,
+        padding_side="left", clean_up_tokenization_spaces=False,
+    )
+
+
+def save_tokenizer(directory: str | Path, max_length: int | None = None) -> list[Path]:
+    """Write the tokenizer files into `directory` (created if missing); returns the paths written.
+
+    `max_length` (the model's max_positions) becomes model_max_length, so loaders truncate where the
+    model's positions end instead of at an "infinite" default.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer()
+    written = [Path(p) for p in tok.save_pretrained(str(directory))]
+    config_path = directory / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    # transformers 5 writes its own class name (TokenizersBackend), which transformers 4.x - still what
+    # some vLLM builds pin - does not know; PreTrainedTokenizerFast resolves in both.
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    if max_length is not None:
+        config["model_max_length"] = max_length
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
+    special = directory / "special_tokens_map.json"
+    special.write_text(json.dumps({"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "unk_token": UNK},
+                                  indent=2) + "\n")
+    return sorted(set(written) | {config_path, special})
