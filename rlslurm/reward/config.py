@@ -1,11 +1,61 @@
-"""`reward:` in a job YAML: how responses are scored and what happens when scoring fails."""
+"""`reward:` in a job YAML: how responses are scored, how the service is run and supervised, how the
+code scorer's sandbox is bounded, and what happens when scoring fails.
+
+    reward:
+      scorer: code
+      service: local
+      concurrency: 64
+      sandbox: {cpu_s: 2, mem_mb: 512, wall_s: 5}
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from rlslurm.configfile import check
+
+DEFAULT_RUBRIC = (
+    "You grade a model's answer against a reference answer. Reply with one line `SCORE: x` where x is a "
+    "number from 0 (wrong or off-topic) to 10 (correct, complete and clearly stated)."
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SandboxConfig:
+    mode: Literal["auto", "root", "userns"] = "auto"
+    """How code is isolated: root = a network + mount namespace and a dropped uid per slot (needs root);
+    userns = an unprivileged user + pid + network namespace (no uid of its own, no process-count limit);
+    auto = root when running as root, else userns."""
+    require_isolation: bool = True
+    """Refuse to run code when no namespace isolation works here (true), instead of running it with
+    rlimits only (false: never for model-written code outside a test box)."""
+    python: str = "python3"
+    """Interpreter that runs the program, found on /usr/local/bin:/usr/bin:/bin (the dropped uid must be able to execute it)."""
+    cpu_s: int = 2
+    """CPU seconds per execution (RLIMIT_CPU)."""
+    wall_s: float = 5.0
+    """Wall seconds per execution before its whole process group (and uid) is killed."""
+    mem_mb: int = 512
+    """Address space per process in MiB (RLIMIT_AS)."""
+    nproc: int = 32
+    """Processes of the execution's uid (RLIMIT_NPROC; binds in mode root, where each slot has its own uid)."""
+    fsize_mb: int = 16
+    """Largest file it may write, MiB (RLIMIT_FSIZE)."""
+    disk_mb: int = 64
+    """Size of its throwaway working directory (a tmpfs), MiB."""
+    nofile: int = 64
+    """Open file descriptors (RLIMIT_NOFILE)."""
+    output_kb: int = 64
+    """Bytes of stdout and of stderr kept, KiB; one byte more and the execution is killed."""
+    uid_base: int = 61000
+    """First uid of the per-slot uids in mode root (slot i runs as uid_base + i; none should own files)."""
+
+    def __post_init__(self):
+        for key in ("cpu_s", "mem_mb", "nproc", "fsize_mb", "disk_mb", "nofile", "output_kb"):
+            check(getattr(self, key) >= 1, key, "must be >= 1")
+        check(self.wall_s > 0, "wall_s", "must be > 0 (seconds)")
+        check(self.uid_base >= 1000, "uid_base", "must be >= 1000 (stay clear of system uids)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -17,13 +67,15 @@ class RewardConfig:
     partition: str | None = None
     """SLURM partition of the reward component (service: component)."""
     concurrency: int = 64
-    """Responses scored at once."""
+    """Responses scored at once (by the client, and by the service)."""
     latency_s: float = 0.01
     """Expected seconds to score one response (the planner's reward phase = count x latency / concurrency)."""
     timeout_s: float = 10.0
     """Seconds one scoring request may take before it is retried."""
     retries: int = 2
     """Retries (with backoff) before a response is degraded."""
+    retry_backoff_s: float = 0.5
+    """Seconds before the first retry; doubled for each further one."""
     degrade: Literal["drop", "neutral", "fail"] = "neutral"
     """What a response that could not be scored becomes: dropped, scored `neutral_score`, or the step fails."""
     neutral_score: float = 0.0
@@ -32,12 +84,49 @@ class RewardConfig:
     """An event is written when the degraded share of a step rises past this."""
     endpoint: str | None = None
     """URL of the reward model or judge (scorer: model | judge)."""
+    judge_model: str = "judge"
+    """Model name sent to the judge's OpenAI-compatible chat endpoint."""
+    judge_rubric: str = DEFAULT_RUBRIC
+    """System prompt of the judge; its reply must contain `SCORE: x` with x in [0, judge_max_score]."""
+    judge_max_score: float = 10.0
+    """The judge's top mark; scores are divided by it to land in [0, 1]."""
+    format_regex: str | None = None
+    """Rule scorer: a response that does not match this (re.search) scores 0 with reason `format`."""
+    port: int = 0
+    """Port of the local service on 127.0.0.1; 0 = a free one chosen at start and kept across restarts."""
+    health_interval_s: float = 1.0
+    """Seconds between the supervisor's health checks."""
+    health_timeout_s: float = 2.0
+    """Seconds one health check may take."""
+    unhealthy_after: int = 3
+    """Consecutive failed health checks before a live service is restarted."""
+    start_timeout_s: float = 30.0
+    """Seconds a (re)started service may take to answer /health."""
+    max_restarts: int = 10
+    """Restarts before the supervisor gives up and the reward phase fails."""
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    """Limits of the code scorer's sandbox."""
 
     def __post_init__(self):
         check(self.concurrency >= 1, "concurrency", "must be >= 1")
         check(self.latency_s >= 0, "latency_s", "must be >= 0 (seconds)")
         check(self.timeout_s > 0, "timeout_s", "must be > 0 (seconds)")
         check(self.retries >= 0, "retries", "must be >= 0")
+        check(self.retry_backoff_s >= 0, "retry_backoff_s", "must be >= 0 (seconds)")
         check(0 <= self.degraded_alert_ratio <= 1, "degraded_alert_ratio", "must be in [0, 1]")
+        check(self.judge_max_score > 0, "judge_max_score", "must be > 0")
+        check(0 <= self.port < 65536, "port", "must be in [0, 65535]")
+        check(self.health_interval_s > 0, "health_interval_s", "must be > 0 (seconds)")
+        check(self.health_timeout_s > 0, "health_timeout_s", "must be > 0 (seconds)")
+        check(self.unhealthy_after >= 1, "unhealthy_after", "must be >= 1")
+        check(self.start_timeout_s > 0, "start_timeout_s", "must be > 0 (seconds)")
+        check(self.max_restarts >= 0, "max_restarts", "must be >= 0")
         if self.scorer in ("model", "judge"):
             check(bool(self.endpoint), "endpoint", f"is required when reward.scorer = {self.scorer!r}")
+        if self.format_regex is not None:
+            import re
+
+            try:
+                re.compile(self.format_regex)
+            except re.error as e:
+                check(False, "format_regex", f"is not a valid regular expression ({e})")

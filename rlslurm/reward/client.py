@@ -1,0 +1,152 @@
+"""The controller's reward client: each response is scored as soon as it arrives, not after the batch.
+
+    async with RewardClient(cfg.reward, supervisor.url, run=run) as client:
+        step = client.step(12)
+        for sample in rollout_stream:                      # as the engine finishes each one
+            step.submit(Item(id=sample.id, response=sample.text, reference=sample.answer))
+        async for outcome in step.as_completed():          # or: outcomes = await step.finish()
+            ...
+        summary = step.summary                             # degraded ratio of the step
+
+Each response is its own POST /score, at most `reward.concurrency` in flight, each bounded by
+`reward.timeout_s`; a timeout, a connection error, an HTTP 5xx or an item answered `error` is
+retried `reward.retries` times after `retry_backoff_s`, 2x, 4x ... (so retries land on a service the
+supervisor has just restarted). A response still unscored then, or answered `unscored`, is degraded
+by `reward.degrade`: drop (no score, left out of the step), neutral (`neutral_score`), fail (the
+step raises RewardServiceError in `finish()`). A step whose degraded share passes
+`degraded_alert_ratio` writes a `reward_degraded` event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import AsyncIterator, Awaitable, Callable
+
+import httpx
+
+from rlslurm.errors import RewardServiceError
+from rlslurm.events import emit
+from rlslurm.reward.config import RewardConfig
+from rlslurm.reward.scorers import Item, ShardedHttp
+from rlslurm.rundir import RunDir
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The reward of one response; `score` is None only when it was dropped."""
+
+    id: str
+    score: float | None
+    degraded: bool
+    reason: str
+    attempts: int
+
+
+@dataclass(frozen=True)
+class StepSummary:
+    step: int
+    total: int
+    degraded: int
+    dropped: int
+
+    @property
+    def degraded_ratio(self) -> float:
+        return self.degraded / self.total if self.total else 0.0
+
+
+class RewardClient:
+    """Async client of one reward service URL; one `step()` per RL step."""
+
+    def __init__(self, cfg: RewardConfig, url: str, run: RunDir | None = None,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep):
+        self.cfg = cfg
+        self.url = url.rstrip("/")
+        self.run = run
+        self.sleep = sleep
+        self.http = ShardedHttp(cfg.concurrency, cfg.timeout_s)
+        self._slots = asyncio.Semaphore(cfg.concurrency)
+
+    async def __aenter__(self) -> "RewardClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.http.aclose()
+
+    def step(self, step: int) -> "StepScores":
+        return StepScores(self, step)
+
+    async def score(self, item: Item) -> Outcome:
+        """Score one response: bounded, retried with backoff, then degraded by policy."""
+        cfg, why = self.cfg, ""
+        for attempt in range(cfg.retries + 1):
+            if attempt:
+                await self.sleep(cfg.retry_backoff_s * 2 ** (attempt - 1))
+            async with self._slots:
+                try:
+                    # The pool wait counts too: a dead service must not hold a response past timeout_s.
+                    result = await asyncio.wait_for(self._post(item), cfg.timeout_s)
+                except (httpx.HTTPError, asyncio.TimeoutError, ValueError, KeyError) as e:
+                    why = f"attempt {attempt + 1}: {type(e).__name__} {e}".strip()
+                    continue
+            if result["status"] == "scored":
+                return Outcome(item.id, float(result["score"]), False, result.get("reason", ""), attempt + 1)
+            if result["status"] == "unscored":  # the scorer decided; asking again would not help
+                return self._degrade(item, f"unscored: {result.get('reason', '')}", attempt + 1)
+            why = f"attempt {attempt + 1}: {result.get('reason', 'error')}"
+        return self._degrade(item, f"gave up after {cfg.retries + 1} attempts; last {why}", cfg.retries + 1)
+
+    async def _post(self, item: Item) -> dict:
+        reply = await self.http.post(self.url + "/score", json={"items": [item.__dict__]})
+        reply.raise_for_status()
+        return reply.json()["results"][0]
+
+    def _degrade(self, item: Item, why: str, attempts: int) -> Outcome:
+        score = self.cfg.neutral_score if self.cfg.degrade == "neutral" else None
+        return Outcome(item.id, score, True, f"degraded ({self.cfg.degrade}): {why}", attempts)
+
+
+class StepScores:
+    """The responses of one step: submit as they arrive, then iterate or finish."""
+
+    def __init__(self, client: RewardClient, step: int):
+        self.client = client
+        self.step = step
+        self.tasks: list[asyncio.Task] = []
+        self.summary: StepSummary | None = None
+
+    def submit(self, item: Item) -> asyncio.Task:
+        """Start scoring `item` now; the task's result is its Outcome."""
+        task = asyncio.ensure_future(self.client.score(item))
+        self.tasks.append(task)
+        return task
+
+    async def as_completed(self) -> AsyncIterator[Outcome]:
+        """Outcomes of every submitted response in the order they finish; then `finish()` runs."""
+        for next_done in asyncio.as_completed(self.tasks):
+            yield await next_done
+        await self.finish()
+
+    async def finish(self) -> list[Outcome]:
+        """Wait for all; write the step's summary (and event); raise when degrade = fail and any degraded."""
+        outcomes = list(await asyncio.gather(*self.tasks))
+        cfg = self.client.cfg
+        degraded = [o for o in outcomes if o.degraded]
+        self.summary = StepSummary(self.step, len(outcomes), len(degraded),
+                                   sum(o.score is None for o in outcomes))
+        ratio = self.summary.degraded_ratio
+        if degraded and ratio > cfg.degraded_alert_ratio:
+            log.warning("step %d: %d of %d responses degraded (%.1f%% > %.1f%%)", self.step, len(degraded),
+                        len(outcomes), 100 * ratio, 100 * cfg.degraded_alert_ratio)
+            if self.client.run is not None:
+                emit(self.client.run, "reward_degraded", step=self.step, degraded=len(degraded),
+                     total=len(outcomes), ratio=round(ratio, 4), alert_ratio=cfg.degraded_alert_ratio,
+                     policy=cfg.degrade, first_reason=degraded[0].reason[:300])
+        if degraded and cfg.degrade == "fail":
+            raise RewardServiceError(
+                f"step {self.step}: {len(degraded)} of {len(outcomes)} responses could not be scored and "
+                f"reward.degrade = 'fail'; first: {degraded[0].reason}")
+        return outcomes

@@ -1,0 +1,175 @@
+"""The reward service: a resident FastAPI app that scores batches concurrently.
+
+    python -m rlslurm.reward.service --port 8321 --config job.yaml        # the job's `reward:` section
+    python -m rlslurm.reward.service --port 8321 --scorer judge --endpoint http://127.0.0.1:9000/v1
+
+    GET  /health    {"status": "ok", "pid", "scorer", "inflight", "sandbox_mode"}
+    POST /score     {"items": [{"id", "response", "prompt", "reference", "tests"}, ...]}
+                 -> {"results": [{"id", "score", "status", "reason"}, ...]}   status: scored | unscored | error
+    GET  /metrics   Prometheus text format
+
+Items of one batch, and of all batches in flight, are scored at once up to `reward.concurrency`
+(an asyncio semaphore): a 2 s judge scores 512 responses at concurrency 64 in ~16 s, not 1024 s.
+`unscored` means the scorer decided it cannot score (a judge reply without a mark); `error` means
+its upstream failed, and the client may retry. The supervisor (supervisor.py) keeps it alive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from pathlib import Path
+
+import click
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import PlainTextResponse
+from pydantic import BaseModel
+
+from rlslurm.configfile import load_mapping, read_yaml
+from rlslurm.reward.config import RewardConfig
+from rlslurm.reward.scorers import CodeScorer, Item, JudgeScorer, ScorerUnavailable, ShardedHttp, make_scorer
+
+log = logging.getLogger(__name__)
+
+
+class ItemIn(BaseModel):
+    id: str
+    response: str
+    prompt: str = ""
+    reference: str = ""
+    tests: str = ""
+
+
+class Batch(BaseModel):
+    items: list[ItemIn]
+
+
+class Counters:
+    """What /metrics reports; plain counters, since one event loop updates them."""
+
+    def __init__(self):
+        self.started_s = time.time()
+        self.requests = 0
+        self.items: dict[str, int] = {"scored": 0, "unscored": 0, "error": 0}
+        self.inflight = 0
+        self.seconds_sum = 0.0
+
+    def render(self, scorer) -> str:
+        lines = [
+            "# HELP rlslurm_reward_requests_total Batches received on /score.",
+            "# TYPE rlslurm_reward_requests_total counter",
+            f"rlslurm_reward_requests_total {self.requests}",
+            "# HELP rlslurm_reward_items_total Items answered, by status.",
+            "# TYPE rlslurm_reward_items_total counter",
+            *(f'rlslurm_reward_items_total{{status="{k}"}} {v}' for k, v in self.items.items()),
+            "# HELP rlslurm_reward_inflight Items being scored now.",
+            "# TYPE rlslurm_reward_inflight gauge",
+            f"rlslurm_reward_inflight {self.inflight}",
+            "# HELP rlslurm_reward_score_seconds Seconds spent scoring items (sum and count).",
+            "# TYPE rlslurm_reward_score_seconds summary",
+            f"rlslurm_reward_score_seconds_sum {self.seconds_sum:.6f}",
+            f"rlslurm_reward_score_seconds_count {sum(self.items.values())}",
+            "# HELP rlslurm_reward_start_time_seconds Unix time this service process started.",
+            "# TYPE rlslurm_reward_start_time_seconds gauge",
+            f"rlslurm_reward_start_time_seconds {self.started_s:.3f}",
+        ]
+        if isinstance(scorer, JudgeScorer):
+            lines += ["# HELP rlslurm_reward_judge_parse_failures_total Judge replies without a usable mark.",
+                      "# TYPE rlslurm_reward_judge_parse_failures_total counter",
+                      f"rlslurm_reward_judge_parse_failures_total {scorer.parse_failures}"]
+        if isinstance(scorer, CodeScorer):
+            lines += ["# HELP rlslurm_reward_sandbox_total Sandbox executions, by outcome.",
+                      "# TYPE rlslurm_reward_sandbox_total counter",
+                      *(f'rlslurm_reward_sandbox_total{{status="{k}"}} {v}' for k, v in scorer.outcomes.items())]
+        return "\n".join(lines) + "\n"
+
+
+def make_app(cfg: RewardConfig) -> FastAPI:
+    """The service for `cfg`; the scorer and its HTTP client live as long as the app."""
+    state: dict = {}
+    counters = Counters()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        http = ShardedHttp(cfg.concurrency, cfg.timeout_s)
+        state["scorer"] = make_scorer(cfg, http=http)
+        state["slots"] = asyncio.Semaphore(cfg.concurrency)
+        try:
+            yield
+        finally:
+            await http.aclose()
+            sandbox = getattr(state["scorer"], "sandbox", None)
+            if sandbox is not None:
+                sandbox.close()
+
+    app = FastAPI(title="rlslurm reward service", lifespan=lifespan)
+
+    async def score_one(item: ItemIn) -> dict:
+        async with state["slots"]:
+            counters.inflight += 1
+            start = time.monotonic()
+            try:
+                scored = await state["scorer"].score(Item(**item.model_dump()))
+                status = "scored" if scored.score is not None else "unscored"
+                out = {"id": item.id, "score": scored.score, "status": status, "reason": scored.reason}
+            except ScorerUnavailable as e:
+                out = {"id": item.id, "score": None, "status": "error", "reason": str(e)}
+            except Exception as e:  # one bad item must not take the batch (or the service) down
+                log.exception("scoring item %s failed", item.id)
+                out = {"id": item.id, "score": None, "status": "error", "reason": f"scorer crashed: {e!r}"}
+            finally:
+                counters.inflight -= 1
+                counters.seconds_sum += time.monotonic() - start
+            counters.items[out["status"]] += 1
+            return out
+
+    @app.get("/health")
+    async def health() -> dict:
+        sandbox = getattr(state.get("scorer"), "sandbox", None)
+        return {"status": "ok", "pid": os.getpid(), "scorer": cfg.scorer, "inflight": counters.inflight,
+                "sandbox_mode": sandbox.mode if sandbox is not None else None}
+
+    @app.post("/score")
+    async def score(batch: Batch) -> dict:
+        counters.requests += 1
+        return {"results": list(await asyncio.gather(*(score_one(i) for i in batch.items)))}
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics() -> str:
+        return counters.render(state.get("scorer"))
+
+    return app
+
+
+def load_reward_config(path: str | Path | None, **overrides) -> RewardConfig:
+    """The `reward:` section of a job YAML (or the defaults), with command-line overrides applied."""
+    data = {}
+    if path is not None:
+        data = dict((read_yaml(path) or {}).get("reward") or {})
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    return load_mapping(RewardConfig, data, source=str(path or "<command line>"), key="reward")
+
+
+@click.command()
+@click.option("--port", type=int, required=True, help="Port on 127.0.0.1.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False), help="Job YAML; its reward: section.")
+@click.option("--scorer", type=click.Choice(["rule", "code", "model", "judge"]), help="Overrides reward.scorer.")
+@click.option("--endpoint", help="Overrides reward.endpoint.")
+@click.option("--concurrency", type=int, help="Overrides reward.concurrency.")
+def main(port: int, host: str, config_path: str | None, scorer: str | None, endpoint: str | None,
+         concurrency: int | None) -> None:
+    """Serve /health, /score and /metrics until killed."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s reward-service %(levelname)s %(message)s")
+    cfg = load_reward_config(config_path, scorer=scorer, endpoint=endpoint, concurrency=concurrency)
+    log.info("scorer %s, concurrency %d, listening on %s:%d", cfg.scorer, cfg.concurrency, host, port)
+    # The backlog must take a whole step's burst of connections from the client at once.
+    uvicorn.run(make_app(cfg), host=host, port=port, log_level="warning", backlog=max(2048, cfg.concurrency * 4))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""Keeps the reward service alive: starts it, health-checks it, restarts it when dead or unhealthy.
+
+    with RewardSupervisor(cfg.reward, run=RunDir(path)) as sup:    # blocks until /health answers
+        client = RewardClient(cfg.reward, sup.url, run=...)
+        ...
+
+Lifecycle: `start()` launches `python -m rlslurm.reward.service` on 127.0.0.1 (the port is chosen
+once and kept, so clients' retries land on the restarted process at the same URL) and waits for
+/health; a monitor thread then checks every `health_interval_s` (waiting on an Event, so `stop()`
+ends it at once): a process that exited is restarted at once (event `reward_service_died`), one that
+fails `unhealthy_after` health checks in a row (hung, stopped) is killed and restarted (event
+`reward_service_unhealthy`); each new process writes `reward_service_restarted`. Past `max_restarts`
+it gives up (event `reward_service_gave_up`) and `failed` is set. `stop()` kills the service.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import httpx
+import yaml
+
+from rlslurm.configfile import to_dict
+from rlslurm.errors import RewardServiceError
+from rlslurm.events import emit
+from rlslurm.reward.config import RewardConfig
+from rlslurm.rundir import RunDir
+
+log = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    """A port nobody listens on now (the service binds it with SO_REUSEADDR, so restarts keep it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RewardSupervisor:
+    """One supervised reward service process; see the module docstring for its lifecycle."""
+
+    def __init__(self, cfg: RewardConfig, run: RunDir | None = None, log_dir: str | Path | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.cfg = cfg
+        self.run = run
+        self.clock = clock
+        self.port = cfg.port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.restarts = 0  # restarts that came up healthy
+        self._attempts = 0  # restarts tried, the ones that failed to start included
+        self.failed = threading.Event()
+        self.proc: subprocess.Popen | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._dir = Path(log_dir) if log_dir else (run.logs if run else Path(tempfile.mkdtemp(prefix="reward-")))
+        self._dir.mkdir(parents=True, exist_ok=True)
+        self._config = self._dir / "reward-service.yaml"
+        self._config.write_text(yaml.safe_dump({"reward": to_dict(cfg)}))
+        self._http = httpx.Client(timeout=cfg.health_timeout_s)
+
+    def __enter__(self) -> "RewardSupervisor":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _event(self, kind: str, **fields) -> None:
+        log.warning("%s %s", kind, fields)
+        if self.run is not None:
+            emit(self.run, kind, role="reward", **fields)
+
+    def start(self) -> None:
+        """Launch the service, wait until it is healthy, then start the monitor thread."""
+        self._launch()
+        self._thread = threading.Thread(target=self._monitor, name="reward-supervisor", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self._kill()
+        self._http.close()
+
+    def healthy(self) -> bool:
+        try:
+            return self._http.get(self.url + "/health").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def _launch(self) -> bool:
+        """Start the service and wait for /health: True once healthy, False when stop() came first."""
+        out = open(self._dir / "reward-service.log", "ab")
+        argv = [sys.executable, "-m", "rlslurm.reward.service", "--port", str(self.port), "--config", str(self._config)]
+        self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        out.close()
+        deadline = self.clock() + self.cfg.start_timeout_s
+        log.info("waiting up to %.0f s for the reward service (pid %d) on %s", self.cfg.start_timeout_s,
+                 self.proc.pid, self.url)
+        while not self.healthy():
+            if self.proc.poll() is not None or self.clock() > deadline:
+                tail = (self._dir / "reward-service.log").read_text(errors="replace")[-2000:]
+                self._kill()
+                raise RewardServiceError(
+                    f"reward service on {self.url} not healthy within {self.cfg.start_timeout_s:g} s "
+                    f"(exit code {self.proc.returncode}); log {self._dir / 'reward-service.log'} ends:\n{tail}")
+            if self._stop.wait(0.1):
+                return False
+        return True
+
+    def _kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # the service and its sandboxes
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=10)
+
+    def _restart(self, why: str) -> bool:
+        if self._attempts >= self.cfg.max_restarts:
+            self._event("reward_service_gave_up", restarts=self.restarts, attempts=self._attempts, reason=why)
+            self.failed.set()
+            return False
+        self._kill()
+        self._attempts += 1
+        started = self.clock()
+        try:
+            if not self._launch():
+                return False
+        except RewardServiceError as e:
+            self._event("reward_service_start_failed", attempt=self._attempts, error=str(e)[:500])
+            return True  # the monitor's next round sees it dead and tries again
+        self.restarts += 1
+        self._event("reward_service_restarted", restarts=self.restarts, pid=self.proc.pid, reason=why,
+                    start_s=round(self.clock() - started, 3), url=self.url)
+        return True
+
+    def _monitor(self) -> None:
+        failures = 0
+        while not self._stop.wait(self.cfg.health_interval_s):
+            code = self.proc.poll()
+            if code is not None:
+                self._event("reward_service_died", pid=self.proc.pid, exit_code=code)
+                failures = 0
+                if not self._restart("died"):
+                    return
+                continue
+            if self.healthy():
+                failures = 0
+                continue
+            failures += 1
+            log.warning("reward service health check failed (%d of %d)", failures, self.cfg.unhealthy_after)
+            if failures >= self.cfg.unhealthy_after:
+                self._event("reward_service_unhealthy", pid=self.proc.pid, failed_checks=failures)
+                failures = 0
+                if not self._restart("unhealthy"):
+                    return

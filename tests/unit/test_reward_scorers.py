@@ -1,0 +1,71 @@
+"""Unit tests of the pure parts of the reward scorers and of `reward:` config validation."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+
+from rlslurm.configfile import load_mapping
+from rlslurm.errors import ConfigError
+from rlslurm.reward.config import RewardConfig
+from rlslurm.reward.scorers import extract_answer, extract_code, normalise_number, parse_judge_reply, rule_score
+
+
+@pytest.mark.parametrize("text, number", [
+    ("1,000", Fraction(1000)), (" -3.50 ", Fraction(-7, 2)), ("$12", Fraction(12)), ("1/2", Fraction(1, 2)),
+    ("50%", Fraction(1, 2)), ("1e3", Fraction(1000)), ("19.", Fraction(19)), ("1 000", Fraction(1000)),
+    ("abc", None), ("1,00", None), ("1/0", None),
+])
+def test_normalise_number(text, number):
+    assert normalise_number(text) == number
+
+
+@pytest.mark.parametrize("response, answer", [
+    ("so the total is \\boxed{42}.", "42"),
+    ("\\boxed{1} then \\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
+    ("The answer is 7 apples", "7 apples"),
+    ("work...\n#### 1,234", "1,234"),
+    ("12 + 7 = 19", "19"),
+    ("no digits here", None),
+])
+def test_extract_answer(response, answer):
+    assert extract_answer(response) == answer
+
+
+@pytest.mark.parametrize("response, reference, score", [
+    ("19", "19", 1.0), (" 1 9 ", "19", 1.0), ("= 19.0", "19", 1.0), ("the answer is 1,000", "1000", 1.0),
+    ("\\boxed{0.5}", "1/2", 1.0), ("18", "19", 0.0), ("", "19", 0.0), ("answer: Paris", "paris", 1.0),
+    ("12+7=20", "19", 0.0),
+])
+def test_rule_score(response, reference, score):
+    assert rule_score(response, reference).score == score
+
+
+def test_rule_format_regex_gates_the_score():
+    assert rule_score("19", "19", format_regex=r"\\boxed\{").reason.startswith("format")
+    assert rule_score("\\boxed{19}", "19", format_regex=r"\\boxed\{").score == 1.0
+
+
+@pytest.mark.parametrize("reply, value", [
+    ("SCORE: 7", 0.7), ("score = 10", 1.0), ("reasoning... SCORE: 3\nSCORE: 8", 0.8), ("Score:0", 0.0),
+    ("looks good", None), ("SCORE: 11", None), ("SCORE: -1", None),
+])
+def test_parse_judge_reply(reply, value):
+    assert parse_judge_reply(reply, 10.0) == value
+
+
+def test_extract_code_takes_the_first_fence():
+    assert extract_code("here:\n```python\ndef f():\n    return 1\n```\nmore") == "def f():\n    return 1\n"
+    assert extract_code("def f(): return 1") == "def f(): return 1"
+
+
+def test_config_errors_name_the_key():
+    with pytest.raises(ConfigError, match=r"reward.sandbox.wall_s = 0.0 must be > 0"):
+        load_mapping(RewardConfig, {"sandbox": {"wall_s": 0}}, source="job.yaml", key="reward")
+    with pytest.raises(ConfigError, match=r"reward.endpoint is required when reward.scorer = 'judge'|endpoint"):
+        load_mapping(RewardConfig, {"scorer": "judge"}, source="job.yaml", key="reward")
+    with pytest.raises(ConfigError, match="format_regex"):
+        load_mapping(RewardConfig, {"format_regex": "("}, source="job.yaml", key="reward")
+    with pytest.raises(ConfigError, match="Valid keys"):
+        load_mapping(RewardConfig, {"sandbox": {"cpu_seconds": 1}}, source="job.yaml", key="reward")
