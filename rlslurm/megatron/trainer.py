@@ -1,0 +1,113 @@
+"""The Megatron-core trainer backend (GPU): DDP with the distributed optimizer, activation recompute,
+and one optimizer step over micro-batches of token-weighted log-likelihood.
+
+A skeleton for `train.backend = megatron`: it builds on model.py (the same GPTModel the CPU tests
+check against transformers) and is exercised only by the `@pytest.mark.gpu` test, because Megatron's
+DDP grad buffers, its optimizer and its pipeline schedules call CUDA directly. On CPU the torch backend
+trains; the Megatron model, its layout and the HF conversion are still tested there.
+
+One loss serves both entrances: per-token weights times the token's negative log-likelihood, summed
+and divided by the number of weighted tokens. SFT passes the loss mask as weights; GRPO passes
+advantage x mask (on-policy, one update per rollout: the clipped ratio is 1, so its gradient is the
+advantage-weighted log-likelihood gradient).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import partial
+from typing import Literal
+
+import torch
+
+from rlslurm.configfile import check
+from rlslurm.megatron.convert import Layout
+from rlslurm.megatron.model import build_gpt_model
+from rlslurm.modelspec import ModelConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class MegatronTrainConfig:
+    distributed_optimizer: bool = True
+    """Shard Adam's fp32 master weights and moments over data-parallel ranks (ZeRO-1)."""
+    recompute: Literal["none", "selective", "full"] = "selective"
+    """Activation recompute: selective = attention core only; full = whole layers (see recompute_layers)."""
+    recompute_layers: int = 1
+    """With recompute = full: layers per recomputed block (Megatron's uniform method)."""
+    bf16: bool = True
+    """bf16 parameters and activations with fp32 master weights; false = fp32 throughout."""
+    overlap_grad_reduce: bool = True
+    """Start reducing a gradient bucket as soon as its backward is done."""
+
+    def __post_init__(self):
+        check(self.recompute_layers >= 1, "recompute_layers", "must be >= 1 (layers per recompute block)")
+
+
+def _recompute_kwargs(cfg: MegatronTrainConfig) -> dict:
+    if cfg.recompute == "none":
+        return {}
+    if cfg.recompute == "selective":
+        return {"recompute_granularity": "selective"}
+    return {"recompute_granularity": "full", "recompute_method": "uniform",
+            "recompute_num_layers": cfg.recompute_layers}
+
+
+def build_trainer(model: ModelConfig, layout: Layout, cfg: MegatronTrainConfig, lr: float, grad_clip: float):
+    """(ddp_model, optimizer) for this rank; `model.init_parallel(layout)` must have run on a GPU."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+    gpt = build_gpt_model(model, layout, dtype, **_recompute_kwargs(cfg))
+    config = gpt.config
+    ddp = DistributedDataParallel(
+        config=config,
+        ddp_config=DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=cfg.overlap_grad_reduce,
+            use_distributed_optimizer=cfg.distributed_optimizer),
+        module=gpt,
+    )
+    # The schedule calls these: grads are reduced over DP (and the tied embedding over PP) here.
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = ddp.no_sync
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=lr, bf16=cfg.bf16, params_dtype=dtype, clip_grad=grad_clip,
+                        use_distributed_optimizer=cfg.distributed_optimizer),
+        [ddp],
+    )
+    return ddp, optimizer
+
+
+def _weighted_nll(weights: torch.Tensor, per_token_nll: torch.Tensor):
+    count = (weights != 0).sum().clamp(min=1)
+    loss = (per_token_nll.float() * weights.float()).sum() / count
+    return loss, {"loss": loss.detach()}
+
+
+def _forward_step(data_iterator: Iterator[dict], model):
+    batch = next(data_iterator)
+    tokens = batch["tokens"].cuda(non_blocking=True)
+    seq = tokens.shape[1]
+    positions = torch.arange(seq, device=tokens.device).unsqueeze(0).expand_as(tokens)
+    causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=tokens.device), diagonal=1)[None, None]
+    # With labels, GPTModel returns the per-token cross entropy (vocab-parallel, no full logits).
+    nll = model(tokens, positions, causal, labels=batch["labels"].cuda(non_blocking=True))
+    return nll, partial(_weighted_nll, batch["weights"].cuda(non_blocking=True))
+
+
+def train_step(ddp, optimizer, micro_batches: list[dict]) -> dict[str, float]:
+    """One optimizer step over micro-batches {tokens, labels, weights} of shape [micro_batch, seq]."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    seq = micro_batches[0]["tokens"].shape[1]
+    losses = get_forward_backward_func()(
+        forward_step_func=_forward_step, data_iterator=iter(micro_batches), model=[ddp],
+        num_microbatches=len(micro_batches), seq_length=seq, micro_batch_size=micro_batches[0]["tokens"].shape[0],
+        decoder_seq_length=seq, forward_only=False)
+    updated, grad_norm, _ = optimizer.step()
+    # Only the last PP stage computes the loss; other stages report nan rather than a made-up number.
+    loss = float(torch.stack([d["loss"] for d in losses]).mean()) if losses else float("nan")
+    return {"loss": loss, "grad_norm": float(grad_norm or 0.0), "updated": float(bool(updated))}
