@@ -22,6 +22,12 @@ class DiagConfig:
     """On a hang: dump stacks then requeue the job, fail it, or only dump."""
     native_stacks: bool = True
     """Ask py-spy for native (C/C++) frames too; falls back to Python frames where that fails."""
+    stack_dump_timeout_s: float = 20.0
+    """Seconds one stack dump of one process may take (py-spy, then the faulthandler fallback)."""
+    kill_grace_s: float = 10.0
+    """On a hang with policy requeue or fail: seconds between SIGTERM and SIGKILL of the wedged ranks."""
+    log_tail_lines: int = 200
+    """Lines of each log (and of metrics.jsonl) that `rlslurm diag` puts into its bundle."""
 
     def __post_init__(self):
         check(self.heartbeat_interval_s > 0, "heartbeat_interval_s", "must be > 0 (seconds)")
@@ -30,3 +36,10 @@ class DiagConfig:
         for phase, value in self.phase_timeouts_s.items():
             check(value > 0, f"phase_timeouts_s.{phase}", "must be > 0 (seconds)")
         check(self.watch_interval_s > 0, "watch_interval_s", "must be > 0 (seconds)")
+        check(self.stack_dump_timeout_s > 0, "stack_dump_timeout_s", "must be > 0 (seconds)")
+        check(self.kill_grace_s >= 0, "kill_grace_s", "must be >= 0 (seconds)")
+        check(self.log_tail_lines >= 1, "log_tail_lines", "must be >= 1 (lines)")
+
+    def timeout_for(self, phase: str | None) -> float:
+        """Seconds without progress after which a rank in `phase` counts as hung."""
+        return self.phase_timeouts_s.get(phase or "", self.hang_timeout_s)

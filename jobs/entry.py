@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -62,6 +64,38 @@ def _start_components(run: RunDir, kind: str) -> list:
     return steps
 
 
+def start_node_agent(run: RunDir, role: str) -> subprocess.Popen:
+    """The watchdog of this node (diag/watchdog.py): a separate process, since a rank wedged in C code
+    or holding the GIL cannot watch itself. It exits by itself once every watched process is gone."""
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    argv = [sys.executable, "-m", "rlslurm.diag.watchdog", "--run-dir", str(run.path), "--host", node]
+    if leader_job_id():
+        argv += ["--job-id", leader_job_id()]
+    log_path = run.logs / f"watchdog-{role}-{node}.log"
+    # A new session: the agent must outlive a SIGTERM that SLURM sends to the step's process group
+    # long enough to dump stacks. It is still in the step's process tree, which is what SLURM signals
+    # (proctrack/linuxproc), so USR1 reached it and killed it: started with USR1 ignored, it stays so
+    # across exec.
+    previous = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    try:
+        with open(log_path, "ab") as out:
+            return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def _keep_early_drain_signal(run: RunDir) -> None:
+    """Until the trainer's drain gate is up, USR1 (the pre-timeout signal, `scancel -s USR1`) would kill
+    this rank (its default action): keep it as the run's control/drain request, which every rank's gate
+    reads at its first step boundary. With a short time limit SLURM sends it up to a minute early."""
+    from rlslurm.diag.drain_gate import DRAIN_FILE
+
+    def on_usr1(signum, frame):
+        (run.control / DRAIN_FILE).touch()
+
+    signal.signal(signal.SIGUSR1, on_usr1)
+
+
 def _train_role(run: RunDir) -> int:
     job = load_config(run.config)
     kind = job.job.kind
@@ -79,24 +113,48 @@ def _train_role(run: RunDir) -> int:
     return int(rl.run(job, run.path) or 0)
 
 
+def _export_local_ranks() -> None:
+    """Under submitit's local executor, give this task torchrun's RANK / WORLD_SIZE / LOCAL_RANK.
+
+    Every library the job uses (torch.distributed's env:// init, the diag kit) then reads one set of names;
+    submitit's JobEnvironment is the reader that follows submitit's own.
+    """
+    if os.environ.get("SUBMITIT_EXECUTOR") != "local" or "RANK" in os.environ:
+        return
+    import submitit
+
+    env = submitit.JobEnvironment()
+    os.environ.update(RANK=str(env.global_rank), WORLD_SIZE=str(env.num_tasks), LOCAL_RANK=str(env.local_rank))
+
+
 def run_component(run_dir: str) -> int:
     """What `rlslurm submit` pickles: the train role of component 0 (and the launcher of the others)."""
     run = RunDir(Path(run_dir))
+    _keep_early_drain_signal(run)
     os.environ[ENV_VAR] = str(run.path)
     os.environ["RLSLURM_ROLE"] = "train"
     from rlslurm.dist import Topology
 
+    _export_local_ranks()
     topo = Topology.detect()
     os.environ["RLSLURM_RANK"] = str(topo.rank)
     _record_placement(run, "train")
+    from rlslurm.diag.env_diff import write_fingerprint
+
+    write_fingerprint(run, "train", topo.rank)
+    agent = start_node_agent(run, "train") if topo.local_rank == 0 else None
     steps = []
     if topo.is_main and "SLURM_HET_SIZE" in os.environ:
         steps = _start_components(run, load_config(run.config).job.kind)
     try:
         code = _train_role(run)
+        # Trained or drained: a late USR1 has nothing left to stop, and a drain file now would stop the next start.
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     finally:
         for step in steps:
             step.stop(timeout_s=30)
+        if agent is not None and agent.poll() is None:
+            agent.terminate()
     if needs_requeue(code) and topo.is_main and leader_job_id():
         requeue_job(leader_job_id())
     if code in (ExitCode.DONE, ExitCode.DRAINED, ExitCode.HANG_DETECTED):
@@ -112,9 +170,10 @@ def _stand_in(run: RunDir, role: str) -> int:
     this process is that component: it shows placement, heartbeats and env fingerprints like an engine.
     """
     stop = threading.Event()
-    import signal
-
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    # USR1 reaches this component too (`scancel -s USR1` of the het job, srun forwarding it): it has no
+    # work in flight to drain, and by default USR1 would kill it. The trainer's rank 0 stops it.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     while not stop.wait(1.0):
         pass
     return 0
@@ -131,6 +190,9 @@ def main(run_dir: str, role: str) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(name)s: %(message)s")
     _record_placement(run, role)
     job = load_config(run.config)
+    from rlslurm.diag.env_diff import write_fingerprint
+
+    write_fingerprint(run, role, int(os.environ["RLSLURM_RANK"]))
     if job.job.kind == "rl" and role == "rollout":
         from rlslurm.jobs import rl
 

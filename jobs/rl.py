@@ -11,6 +11,11 @@ diagram in DESIGN.md, each phase inside the phase guard:
 Engines are separate server processes (rlslurm/rollout/server.py): on SLURM the rollout het component
 runs them (`run_engine`) and they announce themselves in <run>/endpoints/; elsewhere the controller
 spawns them beside itself. Samples carry the policy version that produced them.
+
+Whether it learns depends less on this file than on where it starts: from a cosine-annealed SFT minimum
+the first steps of a fresh Adam lose accuracy whatever the loss (plain SFT does the same); from the
+constant-lr SFT of examples/tiny-sft.yaml, GRPO at lr 3e-4 takes held-out accuracy 0.374 -> 0.594 in 60
+steps (tests/integration/test_rl_learns.py).
 """
 
 from __future__ import annotations
@@ -78,6 +83,28 @@ def group_advantages(rewards: list[float], eps: float = 1e-6) -> list[float] | N
     return [(r - mean) / (std + eps) for r in rewards]
 
 
+def build_samples(problems: list[Problem], choices: list[dict], rewards: list[float], k: int,
+                  encode) -> tuple[list[Sample], int]:
+    """(samples, groups dropped): choices and rewards are prompt-major, k per prompt, in `problems` order;
+    a group whose k rewards are all equal teaches nothing and is left out (it would only add noise)."""
+    if len(choices) != len(problems) * k or len(rewards) != len(choices):
+        raise RlslurmError(f"{len(choices)} responses and {len(rewards)} rewards for {len(problems)} prompts "
+                           f"x {k} samples: the rollout lost or duplicated responses")
+    samples, dropped = [], 0
+    for g, problem in enumerate(problems):
+        group = range(g * k, (g + 1) * k)
+        adv = group_advantages([rewards[i] for i in group])
+        if adv is None:
+            dropped += 1
+            continue
+        prompt_ids = list(encode(problem.prompt))
+        for i, a in zip(group, adv):
+            c = choices[i]
+            samples.append(Sample(prompt_ids, list(c["token_ids"]), rewards[i], a, int(c["policy_version"]),
+                                  list(c["token_logprobs"])))
+    return samples, dropped
+
+
 # -- the policy on every rank ------------------------------------------------------------------------
 
 class Policy:
@@ -106,19 +133,25 @@ class Policy:
             out[name] = tensor.detach()
         return out
 
-    def _logprobs(self, model, ids: torch.Tensor, mask: torch.Tensor, starts: list[int]) -> torch.Tensor:
+    @staticmethod
+    def _logprobs(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Log-probability of every token given the ones before it: column t scores ids[:, t + 1]."""
         logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
         return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
 
     def update(self, samples: list[Sample], guard: PhaseGuard) -> dict:
-        """One clipped policy-gradient step on this rank's share; DDP averages the gradients."""
+        """One clipped policy-gradient step on this rank's share; DDP averages the gradients.
+
+        One update per batch, so `old` equals `new` in value and the ratio is 1: the clip only starts to
+        matter once a batch is reused (several epochs, or stale samples with max_staleness > 0).
+        """
         clip = self.job.rl.clip_eps
         self.optimizer.zero_grad(set_to_none=True)
         if not samples:
             # DDP needs every rank in the all-reduce: a zero loss over the parameters keeps it in step.
             loss = sum(p.sum() * 0.0 for p in self.model.parameters())
             loss.backward()
-            return {"loss": 0.0, "tokens": 0, "kl": 0.0}
+            return {"loss": 0.0, "tokens": 0, "kl": 0.0, "grad_norm": 0.0}
         width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
         ids = torch.full((len(samples), width), PAD_ID, dtype=torch.long)
         attn = torch.zeros_like(ids)
@@ -131,31 +164,34 @@ class Policy:
             loss_mask[i, len(s.prompt_ids) - 1: len(seq) - 1] = 1.0
         adv = torch.tensor([s.advantage for s in samples])[:, None]
         with torch.no_grad():
-            old = self._logprobs(self.model, ids, attn, [])
-        new = self._logprobs(self.ddp, ids, attn, [])
+            old = self._logprobs(self.model, ids, attn)
+        new = self._logprobs(self.ddp, ids, attn)
         ratio = torch.exp(new - old)
         surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip, 1 + clip) * adv)
         tokens = loss_mask.sum().clamp(min=1.0)
-        loss = -(surrogate * loss_mask).sum() / tokens
+        # GRPO's sequence-level mean: every response weighs the same whatever its length, so a long wrong
+        # answer does not outvote a short right one.
+        per_seq = loss_mask.sum(1).clamp(min=1.0)
+        loss = -((surrogate * loss_mask).sum(1) / per_seq).mean()
         kl = torch.tensor(0.0)
         if self.reference is not None:
             with torch.no_grad():
-                ref = self._logprobs(self.reference, ids, attn, [])
+                ref = self._logprobs(self.reference, ids, attn)
             # k3 estimator (Schulman): unbiased, always >= 0
-            kl = ((torch.exp(ref - new) - (ref - new) - 1) * loss_mask).sum() / tokens
+            kl = (((torch.exp(ref - new) - (ref - new) - 1) * loss_mask).sum(1) / per_seq).mean()
             loss = loss + self.job.rl.kl_coef * kl
         guard.beat()
         loss.backward()
-        if self.job.train.grad_clip:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.job.train.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                   self.job.train.grad_clip or float("inf"))
         self.optimizer.step()
         guard.beat()
         engine_lp = [lp for s in samples for lp in s.engine_logprobs]
         trainer_lp = [old[i, len(s.prompt_ids) - 1 + j].item() for i, s in enumerate(samples)
                       for j in range(len(s.engine_logprobs))]
         gap = max((abs(a - b) for a, b in zip(engine_lp, trainer_lp)), default=0.0)
-        return {"loss": float(loss.detach()), "tokens": int(tokens), "kl": float(kl),
-                "engine_trainer_logprob_gap": gap}
+        return {"loss": float(loss.detach()), "tokens": int(tokens), "kl": float(kl.detach()),
+                "grad_norm": float(grad_norm), "engine_trainer_logprob_gap": gap}
 
 
 # -- the controller (rank 0) ---------------------------------------------------------------------------
@@ -263,19 +299,9 @@ class Controller:
         with guard.phase("reward", step=step):
             rewards = self.reward(problems, choices)
         times["reward_s"] = time.monotonic() - t
-        samples, dropped = [], 0
         with guard.phase("advantage", step=step):
-            for g in range(len(problems)):
-                group = list(range(g * k, (g + 1) * k))
-                adv = group_advantages([rewards[i] for i in group])
-                if adv is None:
-                    dropped += 1
-                    continue
-                for i, a in zip(group, adv):
-                    c = choices[i]
-                    prompt_ids = list(self.tokenizer(problems[g].prompt)["input_ids"])
-                    samples.append(Sample(prompt_ids, list(c["token_ids"]), rewards[i], a,
-                                          int(c["policy_version"]), list(c["token_logprobs"])))
+            samples, dropped = build_samples(problems, choices, rewards, k,
+                                             lambda text: self.tokenizer(text)["input_ids"])
         tokens = sum(len(c["token_ids"]) for c in choices)
         versions = [int(c["policy_version"]) for c in choices]
         stats = {**times, "reward_mean": sum(rewards) / len(rewards), "samples": len(choices),

@@ -31,10 +31,11 @@ class Topology:
         e = os.environ if env is None else env
         if "RANK" in e and "WORLD_SIZE" in e:
             rank, world, local = int(e["RANK"]), int(e["WORLD_SIZE"]), int(e.get("LOCAL_RANK", 0))
-        elif "SUBMITIT_LOCAL_GLOBAL_RANK" in e:
-            rank = int(e["SUBMITIT_LOCAL_GLOBAL_RANK"])
-            world = int(e["SUBMITIT_LOCAL_WORLD_SIZE"])
-            local = int(e.get("SUBMITIT_LOCAL_LOCAL_RANK", rank))
+        elif "SUBMITIT_LOCAL_GLOBALID" in e:
+            # submitit 1.5.4's local executor (submitit/local/local.py, its _env table).
+            rank = int(e["SUBMITIT_LOCAL_GLOBALID"])
+            world = int(e["SUBMITIT_LOCAL_NTASKS"])
+            local = int(e.get("SUBMITIT_LOCAL_LOCALID", rank))
         elif "SLURM_PROCID" in e:
             rank, world = int(e["SLURM_PROCID"]), int(e.get("SLURM_NTASKS", 1))
             local = int(e.get("SLURM_LOCALID", 0))

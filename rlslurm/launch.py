@@ -178,10 +178,20 @@ def _submit_local(job: JobConfig, run: RunDir, lay: Layout) -> Submission:
     executor.update_parameters(tasks_per_node=lay.train_world, nodes=1, timeout_min=job.cluster.time_limit_min)
     from rlslurm.dist import free_port
 
-    # Local tasks inherit this process's environment at submit time.
-    os.environ[ENV_VAR] = str(run.path)
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(free_port())
-    sjob = executor.submit(run_component, str(run.path))
+    # Local tasks inherit this process's environment at submit time (submitit starts them inside submit).
+    # Put it back afterwards: a MASTER_PORT left behind would be exported by sbatch into every later
+    # SLURM job of this process, and rlslurm/dist.py prefers it to the per-job port.
+    job_env = {ENV_VAR: str(run.path), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    saved = {key: os.environ.get(key) for key in job_env}
+    os.environ.update(job_env)
+    try:
+        sjob = executor.submit(run_component, str(run.path))
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     return Submission(job_id=str(sjob.job_id), backend="local", run_dir=run.path, job=sjob)
 
 

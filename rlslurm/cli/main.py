@@ -3,6 +3,10 @@
     rlslurm --help
     rlslurm validate examples/lecture-h20.yaml
     rlslurm plan examples/lecture-h20.yaml [--json] [--explain]
+    rlslurm submit examples/tiny-grpo.yaml [--backend local|slurm] [--wait]
+    rlslurm status <jobid|rundir>      rlslurm drain <jobid|rundir>
+    rlslurm diag <jobid|rundir>        rlslurm envdiff A [B]
+    rlslurm report <jobid|rundir>
 
 Every RlslurmError becomes one message on stderr and its class's exit code; `--debug` shows the
 traceback instead.
@@ -40,9 +44,9 @@ def cli(ctx: click.Context, debug: bool) -> None:
 
 def _register() -> None:
     # Each subcommand lives in its own module; importing it here keeps `rlslurm --help` complete.
-    from rlslurm.cli import plan, status, submit, validate
+    from rlslurm.cli import diag, drain, envdiff, plan, report, status, submit, validate
 
-    for module in (validate, plan, submit, status):
+    for module in (validate, plan, submit, status, drain, diag, envdiff, report):
         cli.add_command(module.command)
 
 

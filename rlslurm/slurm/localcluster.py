@@ -18,7 +18,9 @@ Layout (facts behind it: /work/shared/notes/slurm-local.md):
                          het job wait forever behind its own components.
     urgent     n[1-5]    PriorityTier=10: a job here preempts (REQUEUEs) jobs of the others; for tests
 
-Ports are fixed (slurmctld 16817, slurmd 17001-17005), so only one cluster runs per machine.
+Ports: slurmctld `port_base` (16817 by default, or $RLSLURM_SLURM_PORT_BASE), slurmd port_base+184 ..
++188; two clusters on one machine need two port bases (and two dirs). Job ids start at
+1 + 1000 * (port_base - 16817), so jobs of two clusters never derive the same rendezvous port.
 cred_expire=5 makes a requeued job restart after ~6 s instead of ~136 s. Accounting is off; finished jobs
 are in `jobcomp.txt` (read with `sacct -c`, see commands.sacct).
 """
@@ -43,7 +45,7 @@ log = logging.getLogger("rlslurm.slurm.localcluster")
 
 NODES = ("n1", "n2", "n3", "n4", "n5")
 CTLD_PORT = 16817
-SLURMD_BASE_PORT = 17001
+SLURMD_PORT_OFFSET = 184  # slurmd ports sit this far above slurmctld's (17001-17005 by default)
 PARTITIONS = {"train": "n[1-2]", "rollout": "n[3-4]", "cpu": "n5"}
 URGENT_PARTITION = "urgent"
 
@@ -53,6 +55,7 @@ ClusterName=rlslurm-local
 SlurmctldHost=localhost
 SlurmUser=root
 SlurmctldPort={ctld_port}
+FirstJobId={first_job_id}
 AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={d}/munge.sock,cred_expire=5
@@ -93,6 +96,7 @@ class LocalCluster:
     """Paths of a local cluster under `dir`; `up()` starts it, `down()` stops it."""
 
     dir: Path
+    port_base: int = int(os.environ.get("RLSLURM_SLURM_PORT_BASE", CTLD_PORT))
 
     conf = property(lambda self: self.dir / "slurm.conf")
     munge_socket = property(lambda self: self.dir / "munge.sock")
@@ -113,8 +117,10 @@ class LocalCluster:
         (d / "plugstack.conf").write_text("")  # keep the system's SPANK plugins out of the test cluster
         parts = "\n".join(f"PartitionName={p} Nodes={n} Default={'YES' if p == 'train' else 'NO'} "
                           f"PriorityTier=1 MaxTime=INFINITE State=UP" for p, n in PARTITIONS.items())
-        ports = f"{SLURMD_BASE_PORT}-{SLURMD_BASE_PORT + len(NODES) - 1}"
-        self.conf.write_text(SLURM_CONF.format(d=d, ctld_port=CTLD_PORT, slurmd_ports=ports,
+        first = self.port_base + SLURMD_PORT_OFFSET
+        ports = f"{first}-{first + len(NODES) - 1}"
+        self.conf.write_text(SLURM_CONF.format(d=d, ctld_port=self.port_base, slurmd_ports=ports,
+                                               first_job_id=1 + 1000 * (self.port_base - CTLD_PORT),
                                                partitions=parts, urgent=URGENT_PARTITION))
 
     def up(self, *, timeout_s: float = 30.0, clock: Callable[[], float] = time.monotonic,
@@ -184,8 +190,12 @@ class LocalCluster:
 
     def down(self, *, grace_s: float = 10.0, clock: Callable[[], float] = time.monotonic,
              sleep: Callable[[float], None] = time.sleep) -> list[str]:
-        """TERM every daemon of this cluster (PIDs read before signalling), KILL what is left after grace_s."""
+        """Cancel every job of this cluster (bounded by grace_s), then TERM every daemon (PIDs read before
+        signalling) and KILL what is left after grace_s. Jobs first: a job step outlives a killed slurmd
+        and would keep running, orphaned, into the next test."""
         pids = self.running()
+        if "slurmctld" in pids:
+            self._cancel_all_jobs(grace_s, clock, sleep)
         for name, pid in pids.items():
             log.info("stopping %s (pid %d)", name, pid)
             os.kill(pid, signal.SIGTERM)
@@ -197,6 +207,22 @@ class LocalCluster:
                 log.warning("%s (pid %d) ignored SIGTERM for %.0f s: SIGKILL", name, pid, grace_s)
                 os.kill(pid, signal.SIGKILL)
         return sorted(pids)
+
+    def _cancel_all_jobs(self, grace_s: float, clock: Callable[[], float],
+                         sleep: Callable[[float], None]) -> None:
+        env = self.env
+        try:
+            commands.run(["scancel", "--full", "--user", "root"], env=env, check=False, timeout_s=grace_s)
+            deadline = clock() + grace_s
+            while clock() < deadline:
+                out = commands.run(["squeue", "-h", "-o", "%i", "-t", "PD,R,CG,S,RQ,RS,SE"], env=env,
+                                   check=False, timeout_s=grace_s).stdout
+                if not out.strip():
+                    return
+                sleep(0.2)
+            log.warning("jobs still listed %.0f s after scancel: %s", grace_s, " ".join(out.split()))
+        except SlurmCommandError as e:  # a half-started cluster: nothing to cancel
+            log.info("no jobs cancelled: %s", e)
 
     def log_tails(self, lines: int = 8) -> str:
         out = []

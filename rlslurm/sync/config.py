@@ -22,9 +22,17 @@ class SyncConfig:
     """Retries of a failed verify before the step fails."""
     weights_gb: float | None = None
     """Override: GB moved per sync; null = bf16 size of all parameters."""
+    weights_dir: str | None = None
+    """Directory of the disk transport on the shared filesystem; null = <run dir>/sync."""
+    keep_versions: int = 2
+    """Weight versions the disk transport keeps in weights_dir (older ones are deleted)."""
+    store_port: int = 0
+    """TCP port of the broadcast group's store on trainer rank 0; 0 = any free port."""
 
     def __post_init__(self):
         check(self.bucket_mb > 0, "bucket_mb", "must be > 0 (MB)")
         check(self.timeout_s > 0, "timeout_s", "must be > 0 (seconds)")
         check(self.retries >= 0, "retries", "must be >= 0")
+        check(self.keep_versions >= 1, "keep_versions", "must be >= 1 (the newest version is being loaded)")
+        check(0 <= self.store_port <= 65535, "store_port", "must be a TCP port (0 = any free one)")
         check(self.weights_gb is None or self.weights_gb > 0, "weights_gb", "must be > 0 (GB)")

@@ -9,6 +9,10 @@ from rlslurm import __version__
 from rlslurm.cli.main import cli
 
 SURFACE = {
+    "diag": ["--json", "--log-lines", "--no-live", "--no-slurm", "--out", "--run-root"],
+    "drain": ["--reason", "--run-root"],
+    "envdiff": ["--run-root", "--sync-method"],
+    "report": ["--json", "--out", "--run-root"],
     "plan": ["--explain", "--json", "--set"],
     "status": ["--json", "--run-root"],
     "submit": ["--backend", "--force", "--run-root", "--set", "--wait"],

@@ -1,0 +1,268 @@
+"""The diag bundle: everything needed to say why a job died or hung, in one redacted .tar.gz.
+
+    bundle = collect("runs/rl-demo-20250101", out_dir=Path("."))     # or a SLURM job id + run_root
+    print(bundle.summary)                                           # names the most likely cause
+
+Contents (under diag-<run>-<stamp>/): summary.txt/.json; slurm/ (scontrol show job, sacct or sacct -c);
+run/ (config.yaml, plan.json, jobs.jsonl, events.jsonl, metrics tail, rendered sbatch scripts);
+heartbeats.txt + heartbeats/; env/ fingerprints + env-diff.txt; stacks/ (dumps of hangs, faulthandler
+files, and a live py-spy dump of processes still running on this host); logs/ (the tail of each log);
+checkpoints.txt.
+
+Redaction, everywhere, before anything is written: values of keys whose name contains TOKEN, KEY,
+SECRET, PASSWORD (any case) in config, env and JSON; `NAME=value` / `name: value` with such names in
+any text; common token shapes (hf_, sk-, ghp_/github_pat_, AKIA/ASIA, Bearer, xox?-, JWTs, private
+key blocks, passwords in URLs); and every secret value learned from a key name is then removed from
+all other text too (a token pasted into a log line without its name).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import tarfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rlslurm.diag import summary as summ
+from rlslurm.diag.env_diff import compare, read_fingerprints
+from rlslurm.diag.heartbeat import pid_alive, read_heartbeats, table, this_host
+from rlslurm.diag.stack_dump import dump_stack
+from rlslurm.errors import RlslurmError, RunDirError
+from rlslurm.rundir import RunDir, read_jsonl
+
+REDACTED = "<redacted>"
+_SECRET_NAME = re.compile(r"token|key|secret|passw(or)?d|credential", re.IGNORECASE)
+_ASSIGNMENT = re.compile(
+    r"""(?ix)\b([a-z0-9_.-]*(?:token|key|secret|passw(?:or)?d|credential)[a-z0-9_.-]*)  # the name
+        (["']?\s*[:=]\s*["']?)                                                          # = or :
+        ([^\s"',}\]]+)""")
+_SHAPES = [re.compile(p, f) for p, f in (
+    (r"\bhf_[A-Za-z0-9]{16,}", 0),
+    (r"\bsk-(?:proj-|ant-)?[A-Za-z0-9_-]{16,}", 0),
+    (r"\bgh[pousr]_[A-Za-z0-9]{20,}", 0),
+    (r"\bgithub_pat_[A-Za-z0-9_]{20,}", 0),
+    (r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b", 0),
+    (r"\bBearer\s+[A-Za-z0-9._~+/=-]{8,}", re.IGNORECASE),
+    (r"\bxox[abprs]-[A-Za-z0-9-]{10,}", 0),
+    (r"\beyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}", 0),
+    (r"-----BEGIN [A-Z ]*PRIVATE KEY-----.*?-----END [A-Z ]*PRIVATE KEY-----", re.DOTALL),
+)]
+_URL_PASSWORD = re.compile(r"(://[^/\s:@]+:)[^@\s/]+@")
+
+
+def _worth_learning(value: str) -> bool:
+    # Replacing a learned value everywhere is only safe for values that cannot be ordinary words:
+    # `sort_keys=False` in a traceback must not turn every False of the bundle into <redacted>.
+    return len(value) >= 8 and not value.isalpha() and not value.isdigit() and REDACTED not in value
+
+
+class Redactor:
+    """Learns secret values from named keys, then scrubs structures and free text."""
+
+    def __init__(self):
+        self.secrets: set[str] = set()
+
+    def learn(self, obj: Any, name: str = "") -> None:
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                self.learn(v, str(k))
+        elif isinstance(obj, list):
+            for v in obj:
+                self.learn(v, name)
+        elif isinstance(obj, str) and _SECRET_NAME.search(name) and _worth_learning(obj):
+            self.secrets.add(obj)
+
+    def learn_text(self, text: str) -> None:
+        for m in _ASSIGNMENT.finditer(text):
+            if _worth_learning(m.group(3)):
+                self.secrets.add(m.group(3))
+
+    def structure(self, obj: Any, name: str = "") -> Any:
+        if isinstance(obj, dict):
+            return {k: self.structure(v, str(k)) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [self.structure(v, name) for v in obj]
+        if isinstance(obj, str):
+            return REDACTED if _SECRET_NAME.search(name) and obj else self.text(obj)
+        return obj
+
+    def text(self, text: str) -> str:
+        for secret in sorted(self.secrets, key=len, reverse=True):
+            text = text.replace(secret, REDACTED)
+        text = _ASSIGNMENT.sub(lambda m: m.group(1) + m.group(2) + REDACTED, text)
+        for shape in _SHAPES:
+            text = shape.sub(REDACTED, text)
+        return _URL_PASSWORD.sub(r"\1" + REDACTED + "@", text)
+
+
+@dataclass
+class Bundle:
+    path: Path
+    summary: str
+    causes: list[summ.Cause]
+
+
+def find_run(target: str, run_root: Path | None = None) -> tuple[RunDir, str | None]:
+    """A run directory from a path, or from a SLURM job id recorded in <run_root>/*/jobs.jsonl."""
+    path = Path(target)
+    if path.is_dir():
+        run = RunDir(path)
+        starts = read_jsonl(run.jobs)
+        return run, next((str(_job_id(s)) for s in reversed(starts) if _job_id(s)), None)
+    roots = [run_root] if run_root else [Path("runs"), Path(".")]
+    for root in roots:
+        for jobs in sorted(Path(root).glob("*/jobs.jsonl")):
+            if any(str(target) in _job_ids(rec) for rec in read_jsonl(jobs)):
+                return RunDir(jobs.parent), str(target)
+    raise RunDirError(f"{target!r} is neither a run directory nor a job id recorded in "
+                      f"{', '.join(str(r) for r in roots)}/*/jobs.jsonl (pass --run-root)")
+
+
+def _job_ids(rec: dict) -> set[str]:
+    return {str(v) for k, v in rec.items() if "job" in k and v is not None}
+
+
+def _job_id(rec: dict):
+    return rec.get("job_id") or rec.get("slurm_job_id") or next(iter(_job_ids(rec)), None)
+
+
+def slurm_facts(job_id: str | None) -> tuple[dict[str, str], str | None]:
+    """Texts of scontrol show job and sacct (or sacct -c), and the job's state; tolerant of no SLURM."""
+    if not job_id:
+        return {"slurm.txt": "no SLURM job id recorded for this run (a local run)\n"}, None
+    try:
+        from rlslurm.slurm import commands
+    except ImportError as e:
+        return {"slurm.txt": f"SLURM commands unavailable here: {e}\n"}, None
+    run_slurm = getattr(commands, "run_slurm", None) or commands.run  # the one seam for SLURM commands
+    texts, state = {}, None
+    fmt = "--format=JobID,JobName,Partition,State,ExitCode,Elapsed,NodeList,Start,End"
+    for name, argv in (("scontrol-show-job.txt", ["scontrol", "show", "job", job_id]),
+                       ("sacct.txt", ["sacct", "-j", job_id, "--parsable2", fmt]),
+                       ("sacct-c.txt", ["sacct", "-c", "-j", job_id, "--parsable2", fmt])):
+        try:
+            done = run_slurm(argv, timeout_s=30, check=False)
+            texts[name] = f"$ {' '.join(argv)}\n# exit {done.returncode}\n{done.stdout}{done.stderr}"
+            if done.returncode == 0 and state is None:
+                state = _state_of(name, done.stdout)
+        except (RlslurmError, OSError) as e:
+            texts[name] = f"$ {' '.join(argv)}\nfailed: {e}\n"
+    return texts, state
+
+
+def _state_of(name: str, out: str) -> str | None:
+    if name.startswith("scontrol"):
+        m = re.search(r"JobState=(\w+)", out)
+        return m.group(1) if m else None
+    rows = [r.split("|") for r in out.strip().splitlines()]
+    if len(rows) >= 2 and "State" in rows[0]:
+        return rows[1][rows[0].index("State")].split()[0]
+    return None
+
+
+def _tail(path: Path, lines: int) -> str:
+    with open(path, "rb") as f:  # read only the end of a long log
+        f.seek(0, 2)
+        size = f.tell()
+        f.seek(max(0, size - lines * 400))
+        text = f.read().decode(errors="replace")
+    return "\n".join(text.splitlines()[-lines:]) + "\n"
+
+
+def _checkpoints(run: RunDir) -> str:
+    if not run.checkpoints.is_dir():
+        return "no checkpoints directory\n"
+    rows = []
+    for d in sorted(run.checkpoints.iterdir()):
+        if d.is_dir():
+            size = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+            complete = "complete" if (d / "manifest.json").is_file() else "INCOMPLETE (no manifest)"
+            rows.append(f"{d.name:<28} {size / 1e6:>10.1f} MB  {complete}")
+        else:
+            rows.append(f"{d.name:<28} -> {d.read_text(errors='replace').strip()[:200]}")
+    return "\n".join(rows or ["no checkpoints"]) + "\n"
+
+
+def collect(target: str | Path, *, run_root: Path | None = None, out_dir: Path | None = None,
+            live: bool = True, slurm: bool = True, log_tail_lines: int = 200, native: bool = True) -> Bundle:
+    """Collect, redact and summarise one run into <out_dir>/diag-<run>-<stamp>.tar.gz."""
+    run, job_id = find_run(str(target), run_root)
+    if not run.path.is_dir():
+        raise RunDirError(f"{run.path}: no such run directory")
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    top = f"diag-{run.path.name.replace(' ', '_')}-{stamp}"
+    files: dict[str, str] = {}
+    red = Redactor()
+
+    config = yaml.safe_load(run.config.read_text()) if run.config.is_file() else None
+    fps = read_fingerprints(run.env) if run.env.is_dir() else {}
+    red.learn(config)
+    red.learn(fps)
+    for p in (run.events, run.jobs):
+        red.learn(read_jsonl(p))
+    logs = {str(p.relative_to(run.logs)): _tail(p, log_tail_lines)
+            for p in sorted(run.logs.rglob("*")) if run.logs.is_dir() and p.is_file()}
+    for text in logs.values():
+        red.learn_text(text)
+
+    slurm_texts, state = slurm_facts(job_id) if slurm else ({"slurm.txt": "SLURM not asked (--no-slurm)\n"}, None)
+    files.update({f"slurm/{k}": v for k, v in slurm_texts.items()})
+    if config is not None:
+        files["run/config.yaml"] = yaml.safe_dump(red.structure(config), sort_keys=False)
+    for p in (run.plan, run.jobs, run.events):
+        if p.is_file():
+            files[f"run/{p.name}"] = p.read_text(errors="replace")
+    if run.metrics.is_file():
+        files["run/metrics.tail.jsonl"] = _tail(run.metrics, log_tail_lines)
+    for p in sorted(run.path.rglob("*")):
+        if p.is_file() and (p.suffix == ".sbatch" or p.name.endswith("_submission.sh")) \
+                and run.checkpoints not in p.parents:
+            files[f"run/sbatch/{p.relative_to(run.path)}"] = p.read_text(errors="replace")
+
+    beats = read_heartbeats(run)
+    files["heartbeats.txt"] = table(beats)
+    files.update({f"heartbeats/{hb['file']}": json.dumps(red.structure(hb), indent=1) for hb in beats})
+    files.update({f"env/{k}.json": json.dumps(red.structure(v), indent=1, sort_keys=True) for k, v in fps.items()})
+    sync_method = ((config or {}).get("sync") or {}).get("method", "broadcast")
+    diff = compare(fps, sync_method="broadcast" if sync_method == "auto" else sync_method) if fps else None
+    files["env-diff.txt"] = diff.render() if diff else "no env fingerprints\n"
+
+    if run.stacks.is_dir():
+        for p in sorted(run.stacks.rglob("*")):
+            if p.is_file():
+                files[f"stacks/{p.relative_to(run.stacks)}"] = _tail(p, 5000)
+    if live:
+        for hb in beats:
+            if hb.get("host") == this_host() and hb.get("state") == "running" and pid_alive(hb):
+                d = dump_stack(int(hb["pid"]), native=native, timeout_s=20)
+                files[f"stacks/live-{stamp}/{hb['file'][:-5]}.txt"] = \
+                    f"# live dump of pid {hb['pid']} by {d.method}, process {d.state}\n{d.text}"
+    files.update({f"logs/{k}.tail": v for k, v in logs.items()})
+    files["checkpoints.txt"] = _checkpoints(run)
+
+    facts = summ.Facts(events=read_jsonl(run.events), heartbeats=beats, logs=logs, slurm_state=state,
+                       env_errors=[f.message for f in diff.errors] if diff else [])
+    causes = summ.classify(facts)
+    header = [f"run: {run.path}", f"job: {job_id or 'local (no SLURM job id)'}"
+              + (f", SLURM state {state}" if state else "")]
+    text = summ.render(causes, header)
+    files["summary.txt"] = text
+    files["summary.json"] = json.dumps({"run": str(run.path), "job_id": job_id, "slurm_state": state,
+                                        "causes": [c.__dict__ for c in causes]}, indent=1)
+
+    out_dir = Path(out_dir or ".")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{top}.tar.gz"
+    with tarfile.open(path, "w:gz") as tar:
+        for name, content in sorted(files.items()):
+            data = red.text(content).encode()
+            info = tarfile.TarInfo(f"{top}/{name}")
+            info.size, info.mtime, info.mode = len(data), int(time.time()), 0o644
+            tar.addfile(info, io.BytesIO(data))
+    return Bundle(path, red.text(text) + f"bundle: {path}\n", causes)

@@ -1,0 +1,121 @@
+"""The drain gate: one flag that says "stop taking work, finish the in-flight step, checkpoint, leave".
+
+Who raises it:
+  - SIGUSR1: SLURM's pre-timeout signal (`--signal=USR1@N`) or `scancel -s USR1`; we requeue ourselves.
+  - SIGTERM: `scontrol requeue`, preemption or scancel; SLURM sends SIGKILL KillWait seconds later, so
+    `kill_wait_left_s()` says whether a checkpoint still fits (rlslurm/lifecycle.py decides).
+  - a `control/drain` file in the run directory (`touch <run>/control/drain`), noticed by `check()`.
+  - code: `gate.request("reason")`.
+
+Lifecycle: build one gate per process, `install_signal_handlers()` once from the main thread (Python
+only lets the main thread install handlers), then call `check()` at every phase/step boundary; it is
+cheap (the control file is stat'ed at most every `poll_interval_s`, on the injectable clock). Once
+requested the flag stays up for the life of the process; `restore_signal_handlers()` puts the previous
+handlers back. The handlers only store the signal number and the clock reading (no I/O, no locks: a
+handler runs between two bytecodes of the main thread, which may hold any lock); `check()` turns the
+first observed request into one `drain_requested` event.
+"""
+
+from __future__ import annotations
+
+import math
+import signal as _signal
+import time
+from typing import Callable, Iterable
+
+from rlslurm import events
+from rlslurm.rundir import RunDir
+
+DRAIN_FILE = "drain"
+
+
+class DrainGate:
+    """A sticky drain request fed by signals, the run's control/drain file, or code."""
+
+    def __init__(self, run: RunDir | None = None, *, clock: Callable[[], float] = time.monotonic,
+                 poll_interval_s: float = 1.0, kill_wait_s: float = 30.0):
+        self.run, self.clock = run, clock
+        self.poll_interval_s, self.kill_wait_s = poll_interval_s, kill_wait_s
+        self._reason: str | None = None
+        self._signum: int | None = None
+        self._signal_at: float | None = None
+        self._requested_at: float | None = None
+        self._next_poll = -math.inf
+        self._announced = False
+        self._previous: dict[int, object] = {}
+
+    def request(self, reason: str) -> None:
+        """Raise the flag; the first reason wins (a later SIGTERM still records its deadline)."""
+        if self._reason is None:
+            self._reason = reason
+            self._requested_at = self.clock()
+
+    def _on_signal(self, signum, frame) -> None:
+        # Async-signal context: store state only. SIGTERM's time matters for the KillWait deadline even
+        # when a SIGUSR1 came first, so it is recorded separately.
+        now = self.clock()
+        if signum == _signal.SIGTERM or self._signum is None:
+            self._signum, self._signal_at = signum, now
+        if self._reason is None:
+            self._reason = f"signal {_signal.Signals(signum).name}"
+            self._requested_at = now
+
+    @property
+    def requested(self) -> bool:
+        return self._reason is not None
+
+    @property
+    def reason(self) -> str | None:
+        return self._reason
+
+    @property
+    def signal_name(self) -> str | None:
+        """SIGTERM / SIGUSR1 / ... when a signal raised or joined the request."""
+        return None if self._signum is None else _signal.Signals(self._signum).name
+
+    @property
+    def requested_at(self) -> float | None:
+        """Clock reading of the first request."""
+        return self._requested_at
+
+    def kill_wait_left_s(self) -> float | None:
+        """Seconds until SLURM's SIGKILL after our SIGTERM (KillWait), or None when no SIGTERM came."""
+        if self._signum != _signal.SIGTERM:
+            return None
+        return self.kill_wait_s - (self.clock() - self._signal_at)
+
+    def check(self) -> bool:
+        """Whether to drain; notices the control file at most every poll_interval_s. Call at boundaries."""
+        if self._reason is None and self.run is not None:
+            now = self.clock()
+            if now >= self._next_poll:
+                self._next_poll = now + self.poll_interval_s
+                if (self.run.control / DRAIN_FILE).exists():
+                    self.request(f"control file {self.run.control / DRAIN_FILE}")
+        if self._reason is not None and not self._announced:
+            self._announced = True
+            if self.run is not None:
+                events.emit(self.run, "drain_requested", reason=self._reason, signal=self.signal_name,
+                            kill_wait_left_s=self.kill_wait_left_s())
+        return self._reason is not None
+
+    def consume_control_file(self) -> bool:
+        """Remove control/drain once the drain is done, so the requeued job runs on; True if it was there."""
+        if self.run is None:
+            return False
+        path = self.run.control / DRAIN_FILE
+        try:
+            path.unlink()
+            return True
+        except FileNotFoundError:
+            return False
+
+    def install_signal_handlers(self, signals: Iterable[int] = (_signal.SIGUSR1, _signal.SIGTERM)) -> None:
+        """Route these signals to the gate (main thread only); the old handlers are kept for restore."""
+        for signum in signals:
+            self._previous.setdefault(signum, _signal.signal(signum, self._on_signal))
+
+    def restore_signal_handlers(self) -> None:
+        for signum, handler in self._previous.items():
+            _signal.signal(signum, handler)
+        self._previous.clear()

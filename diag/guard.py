@@ -1,0 +1,129 @@
+"""The phase guard: every phase of every process goes through it.
+
+    guard = PhaseGuard(run, "train", rank, config.diag, gate=drain_gate)
+    with guard:                                   # heartbeat "exited" / "failed" at the end
+        for step in range(start, steps):
+            with guard.phase("data", step=step):
+                batch = next(loader)
+            with guard.phase("train", step=step):
+                for micro in batch:
+                    loss = model(micro).backward()
+                    guard.beat()                  # progress, from inside the work
+            if guard.drain_requested:
+                break
+
+What it does, and why it is built this way:
+- Progress beats come from the work itself (per batch, micro-step, generated chunk), never from a
+  background thread: a thread would keep beating while the main thread is wedged in an all_reduce,
+  which is exactly the hang the watchdog must see.
+- Each phase carries its timeout (`diag.phase_timeouts_s[phase]`, else `diag.hang_timeout_s`) into the
+  heartbeat, so the node agent (diag/watchdog.py) needs no config of its own to judge a rank.
+- Beats and phase changes only touch the heartbeat in memory; its flusher thread (diag/heartbeat.py)
+  writes it within `diag.heartbeat_interval_s`, so the file names the phase a rank hangs in at most one
+  interval after it entered, and the kit costs one small file write per interval, not per phase.
+- Phase boundaries call `gate.check()` of the drain gate (diag/drain_gate.py), which also notices a
+  `control/drain` file written by the node agent or a human; the loop reads `guard.drain_requested`.
+- An exception inside a phase becomes a `phase_failed` event with its traceback, and is re-raised.
+- The guard registers faulthandler on SIGURG (see diag/stack_dump.py): the dump of last resort where
+  py-spy cannot attach.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import time
+import traceback
+from typing import Any, Callable, Iterator
+
+from rlslurm.diag.config import DiagConfig
+from rlslurm.diag.heartbeat import HeartbeatWriter, this_host
+from rlslurm.diag.stack_dump import FAULTHANDLER_SIGNAL, register_faulthandler
+from rlslurm.events import emit
+from rlslurm.rundir import RunDir
+
+
+def faulthandler_path(run: RunDir, role: str, rank: int, host: str | None = None):
+    return run.stacks / f"faulthandler-{host or this_host()}-{role}-{rank}.txt"
+
+
+class PhaseGuard:
+    """Heartbeats, phase timeouts, drain checks and failure events for one process (one role, one rank)."""
+
+    def __init__(self, run: RunDir, role: str, rank: int, config: DiagConfig, gate: Any = None, *,
+                 clock: Callable[[], float] = time.time, job_id: str | None = None,
+                 faulthandler_fallback: bool = True, background: bool = True):
+        self.run, self.role, self.rank, self.config, self.gate = run, role, rank, config, gate
+        self.heartbeat = HeartbeatWriter(run, role, rank, interval_s=config.heartbeat_interval_s,
+                                         clock=clock, job_id=job_id, background=background)
+        self._stack: list[tuple[str, Any]] = []
+        self._fh_file = None
+        if faulthandler_fallback:
+            self._fh_file = register_faulthandler(faulthandler_path(run, role, rank))
+        self.heartbeat.update(phase="start", phase_timeout_s=config.timeout_for("start"), force=True)
+
+    @property
+    def drain_requested(self) -> bool:
+        return bool(self.gate is not None and self.gate.requested)
+
+    def _check_gate(self) -> None:
+        if self.gate is not None:
+            self.gate.check()
+
+    @contextlib.contextmanager
+    def phase(self, name: str, step: int | None = None) -> Iterator["PhaseGuard"]:
+        """Run the body as phase `name` of `step`: heartbeat now, drain check at both ends, failures recorded."""
+        self._check_gate()
+        self._stack.append((name, step))
+        self.heartbeat.update(phase=name, step=step, phase_timeout_s=self.config.timeout_for(name),
+                              phase_started=self.heartbeat.clock())
+        try:
+            yield self
+        except BaseException as e:
+            if not isinstance(e, GeneratorExit):
+                self._record_failure(name, step, e)
+            raise
+        finally:
+            self._stack.pop()
+            outer, outer_step = self._stack[-1] if self._stack else (None, step)
+            # Back in the outer phase (or between phases): not written now, the next beat or phase does it.
+            self.heartbeat.update(progress=True, phase=outer, step=outer_step,
+                                  phase_timeout_s=self.config.timeout_for(outer))
+        self._check_gate()
+
+    def beat(self, step: int | None = None) -> None:
+        """Progress inside the current phase (cheap: the write is coalesced)."""
+        if step is None:
+            self.heartbeat.update()
+        else:
+            self.heartbeat.update(step=step)
+
+    def _record_failure(self, name: str, step: int | None, e: BaseException) -> None:
+        if getattr(e, "_rlslurm_recorded", False):  # nested phases: record once, at the innermost
+            return
+        try:
+            e._rlslurm_recorded = True  # type: ignore[attr-defined]
+        except AttributeError:
+            pass
+        tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+        emit(self.run, "phase_failed", role=self.role, rank=self.rank, phase=name, step=step,
+             error=f"{type(e).__name__}: {e}", traceback=tb)
+        self.heartbeat.update(progress=False, state="failed", error=f"{type(e).__name__}: {e}", force=True)
+
+    def close(self, ok: bool = True) -> None:
+        """Mark the heartbeat exited (or failed) so the watchdog stops watching this process."""
+        state = "exited" if ok else "failed"
+        if self.heartbeat.record.get("state") == "failed":
+            state = "failed"
+        self.heartbeat.update(progress=False, state=state, phase=None)
+        self.heartbeat.close()
+        if self._fh_file is not None:
+            faulthandler.unregister(FAULTHANDLER_SIGNAL)
+            self._fh_file.close()
+            self._fh_file = None
+
+    def __enter__(self) -> "PhaseGuard":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(ok=exc_type is None)

@@ -1,0 +1,173 @@
+"""Heartbeats: one small JSON file per process in <run>/heartbeats/<role>-<rank>.json.
+
+    writer = HeartbeatWriter(run, role="train", rank=0, interval_s=1.0)
+    writer.update(phase="train", step=41, phase_timeout_s=300.0, progress=True)
+
+A heartbeat says who the process is (host, pid, role, rank, job id), where it is (phase, step, that
+phase's timeout) and when it last made progress. The watchdog (diag/watchdog.py, a separate process
+on the same node) compares `last_progress` with `phase_timeout_s`; `rlslurm diag` shows the table.
+
+Cost on the hot path: `update()` only changes the record in memory (well under a microsecond). A
+flusher thread writes the record when it changed, at most once per `interval_s`: a JSON dump into a
+temp file and an atomic rename, without fsync (a heartbeat lost in a crash of the node is worth
+nothing, and fsync on NFS costs milliseconds). On ext4 here one such write costs 0.2-3 ms, so writing
+at every phase change of a fast step would break the 1 % budget; the thread keeps it to one per second.
+The thread never makes progress up: it only writes `last_progress` as the work last set it, so a
+wedged main thread still ages its heartbeat. Lifecycle: started by the constructor (background=True),
+stopped by `close()`; it waits on an Event, so close() ends it at once. With background=False (tests,
+a process that must not start threads) `update()` writes synchronously, coalesced the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import psutil
+
+from rlslurm.rundir import RunDir
+
+
+def this_host() -> str:
+    """The node name SLURM uses (SLURMD_NODENAME), else the hostname: the key the node agent filters on."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def heartbeat_path(run: RunDir, role: str, rank: int) -> Path:
+    return run.heartbeats / f"{role}-{rank}.json"
+
+
+class HeartbeatWriter:
+    """Keeps this process's heartbeat in memory and writes it at most once per `interval_s`."""
+
+    def __init__(self, run: RunDir, role: str, rank: int, *, interval_s: float,
+                 clock: Callable[[], float] = time.time, job_id: str | None = None,
+                 host: str | None = None, background: bool = True):
+        run.heartbeats.mkdir(parents=True, exist_ok=True)
+        self.path = heartbeat_path(run, role, rank)
+        self._tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        self.interval_s = interval_s
+        self.clock = clock
+        now = clock()
+        self.record: dict = {
+            "host": host or this_host(),
+            "pid": os.getpid(),
+            # The process's start time lets a reader tell this pid from a later process that reused it.
+            "pid_started": psutil.Process().create_time(),
+            "role": role,
+            "rank": rank,
+            "job_id": job_id or os.environ.get("SLURM_JOB_ID"),
+            "restart": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
+            "state": "running",
+            "phase": None,
+            "step": None,
+            "phase_timeout_s": None,
+            "phase_started": now,
+            "last_progress": now,
+            "written": now,
+            "beats": 0,
+        }
+        self._last_write = float("-inf")
+        self._dirty = True
+        self._lock = threading.Lock()  # the flusher and a forced write must not share the temp file at once
+        self._stop = threading.Event()
+        self._thread = None
+        if background:
+            self._thread = threading.Thread(target=self._flusher, name=f"heartbeat-{role}-{rank}", daemon=True)
+            self._thread.start()
+
+    def update(self, *, progress: bool = True, force: bool = False, **fields) -> bool:
+        """Merge `fields` into the heartbeat; True if it was written now (forced, or synchronous mode)."""
+        now = self.clock()
+        record = self.record
+        if progress:
+            record["last_progress"] = now
+            record["beats"] += 1
+        if fields:
+            record.update(fields)
+        self._dirty = True
+        if force or (self._thread is None and now - self._last_write >= self.interval_s):
+            self._write(now)
+            return True
+        return False
+
+    def flush(self) -> None:
+        """Write the record now if it changed since the last write."""
+        if self._dirty:
+            self._write(self.clock())
+
+    def close(self) -> None:
+        """Stop the flusher thread and write the final record."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self.flush()
+
+    def _flusher(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            if self._dirty:
+                self._write(self.clock())
+
+    def _write(self, now: float) -> None:
+        with self._lock:
+            self._dirty = False
+            record = dict(self.record)  # a copy: the main thread may update the record meanwhile
+            record["written"] = now
+            with open(self._tmp, "w") as f:
+                f.write(json.dumps(record))
+            os.replace(self._tmp, self.path)
+            self._last_write = now
+
+
+def read_heartbeat(path: Path) -> dict | None:
+    """One heartbeat file, or None if it is unreadable (renamed away in the instant we opened it)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def read_heartbeats(run: RunDir) -> list[dict]:
+    """Every heartbeat of the run, sorted by role and rank; each gets its file name as `file`."""
+    beats = []
+    for path in sorted(run.heartbeats.glob("*.json")) if run.heartbeats.is_dir() else []:
+        hb = read_heartbeat(path)
+        if hb is not None:
+            hb["file"] = path.name
+            beats.append(hb)
+    return sorted(beats, key=lambda h: (str(h.get("role")), int(h.get("rank") or 0)))
+
+
+def pid_alive(hb: dict) -> bool:
+    """Is the heartbeat's process still the one running under that pid on this host?"""
+    try:
+        proc = psutil.Process(int(hb["pid"]))
+        started = hb.get("pid_started")
+        if started is not None and abs(proc.create_time() - float(started)) > 1.0:
+            return False
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except (psutil.Error, KeyError, TypeError, ValueError):
+        return False
+
+
+def label(hb: dict) -> str:
+    """`train-1`: how events and summaries name one rank."""
+    return f"{hb.get('role')}-{hb.get('rank')}"
+
+
+def table(beats: list[dict], now: float | None = None) -> str:
+    """The heartbeats as a fixed-width text table (for `rlslurm diag` and humans)."""
+    now = time.time() if now is None else now
+    head = f"{'rank':<12} {'host':<14} {'pid':>7} {'state':<8} {'phase':<12} {'step':>6} {'age_s':>8} {'timeout_s':>9}"
+    rows = [head]
+    for hb in beats:
+        age = now - float(hb.get("last_progress") or now)
+        rows.append(f"{label(hb):<12} {str(hb.get('host')):<14} {hb.get('pid', ''):>7} "
+                    f"{str(hb.get('state')):<8} {str(hb.get('phase')):<12} {str(hb.get('step')):>6} "
+                    f"{age:>8.1f} {str(hb.get('phase_timeout_s')):>9}")
+    return "\n".join(rows) + "\n"

@@ -1,0 +1,328 @@
+"""The node agent: one watchdog process per node that turns a silent hang into a dumped, named, acted-on event.
+
+    python -m rlslurm.diag.watchdog --run-dir RUN [--job-id J] [--policy requeue|fail|dump] [--host H]
+
+Run it beside the ranks of a node (e.g. `srun --ntasks-per-node=1 ... &` in the batch script, or as a
+subprocess of local rank 0). It is a separate process on purpose: a rank wedged in C code (an NCCL/gloo
+wait) or holding the GIL cannot watch itself, and a thread inside it would share its fate.
+
+Lifecycle: start -> every `diag.watch_interval_s` read <run>/heartbeats/*.json of this host whose
+process is alive -> a rank is hung when now - last_progress > the phase timeout in its heartbeat ->
+dump the stacks of every watched rank on this node into <run>/stacks/<stamp>/<host>-<role>-<rank>.txt
+(diag/stack_dump.py), emit `hang_detected` naming the stuck ranks, their phases, the collective the
+others wait in, then act by `diag.hang_policy`:
+
+- dump: nothing more; keep watching (the same hang is not reported twice).
+- requeue: write <run>/control/drain (the drain gate of every process reads it), `scontrol requeue` the
+  job (an injectable function), SIGTERM the wedged ranks, SIGKILL them after `diag.kill_grace_s`, and
+  exit with HANG_EXIT_CODE.
+- fail: the same without drain and requeue.
+
+Exit codes of this process: 0 when every watched process exited (or on SIGTERM/SIGINT), HANG_EXIT_CODE
+(rlslurm.lifecycle's hang-detected code where that module defines one) after acting on a hang. The
+killed ranks themselves end by signal (143 after SIGTERM, 137 after SIGKILL in a shell's terms); the
+`hang_action` event records which pids got which signal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from rlslurm.diag.config import DiagConfig
+from rlslurm.diag.heartbeat import label, pid_alive, read_heartbeats, this_host
+from rlslurm.diag.stack_dump import StackDump, collective_in, dump_stack, top_frame
+from rlslurm.events import emit
+from rlslurm.rundir import RunDir
+
+log = logging.getLogger("rlslurm.watchdog")
+
+DEFAULT_HANG_EXIT_CODE = 76
+
+
+def hang_exit_code() -> int:
+    """rlslurm.lifecycle's hang-detected exit code where it exists, else DEFAULT_HANG_EXIT_CODE."""
+    try:
+        from rlslurm import lifecycle
+    except ImportError:
+        return DEFAULT_HANG_EXIT_CODE
+    for holder in (getattr(lifecycle, n, None) for n in ("ExitCode", "Exit", "ExitCodes")):
+        for name in ("HANG_DETECTED", "HANG", "HUNG"):
+            if holder is not None and hasattr(holder, name):
+                return int(getattr(holder, name))
+    return DEFAULT_HANG_EXIT_CODE
+
+
+HANG_EXIT_CODE = hang_exit_code()
+
+
+def scontrol_requeue(job_id: str) -> str:
+    """Requeue through the one SLURM seam (rlslurm.slurm.commands), imported only when needed."""
+    from rlslurm.slurm.commands import scontrol
+
+    scontrol("requeue", str(job_id))
+    return f"scontrol requeue {job_id}"
+
+
+def request_drain(run: RunDir, reason: str) -> Path:
+    """The control file every drain gate of the run notices at its next phase boundary."""
+    run.control.mkdir(parents=True, exist_ok=True)
+    path = run.control / "drain"
+    tmp = path.with_name(f".drain.{os.getpid()}.tmp")
+    tmp.write_text(reason + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+@dataclass
+class Rank:
+    """One watched process as the watchdog sees it at one poll."""
+
+    hb: dict
+    age_s: float
+    timeout_s: float
+    dump: StackDump | None = None
+    stack_file: Path | None = None
+
+    @property
+    def hung(self) -> bool:
+        return self.age_s > self.timeout_s
+
+    @property
+    def name(self) -> str:
+        return label(self.hb)
+
+    def where(self) -> str:
+        return f"{self.hb.get('phase')} step {self.hb.get('step')}"
+
+
+@dataclass
+class HangReport:
+    hung: list[Rank]
+    watched: list[Rank]
+    stacks_dir: Path
+    message: str
+    waiting: list[str] = field(default_factory=list)
+    elsewhere: list[str] = field(default_factory=list)
+    collective: str | None = None
+
+
+class Watchdog:
+    """Reads heartbeats of this host, detects hangs, dumps stacks, acts per policy. See the module docstring."""
+
+    def __init__(self, run: RunDir, config: DiagConfig, *, host: str | None = None,
+                 clock: Callable[[], float] = time.time, sleep: Callable[[float], object] | None = None,
+                 requeue: Callable[[str], object] = scontrol_requeue,
+                 kill: Callable[[int, int], None] = os.kill, dump: Callable[..., StackDump] = dump_stack,
+                 job_id: str | None = None):
+        self.run, self.config = run, config
+        self.host = host or this_host()
+        self.clock, self.requeue, self.kill, self.dump = clock, requeue, kill, dump
+        self.job_id = job_id
+        self._stop = threading.Event()
+        # Waits go through the stop Event, so stop() ends them at once; tests inject their own.
+        self.sleep = sleep or self._stop.wait
+        self._reported: set[tuple] = set()
+        self.reports: list[HangReport] = []
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def watched(self) -> list[Rank]:
+        """Running processes of this host with a heartbeat, with their age against their phase timeout."""
+        now = self.clock()
+        ranks = []
+        for hb in read_heartbeats(self.run):
+            if hb.get("host") != self.host or hb.get("state") != "running" or not pid_alive(hb):
+                continue
+            timeout = float(hb.get("phase_timeout_s") or self.config.timeout_for(hb.get("phase")))
+            ranks.append(Rank(hb, now - float(hb.get("last_progress") or now), timeout))
+        return ranks
+
+    def poll(self) -> HangReport | None:
+        """One look at the heartbeats; on a hang not reported before: dump, report, act."""
+        watched = self.watched()
+        hung = [r for r in watched if r.hung]
+        new = {(r.name, r.hb.get("pid"), r.hb.get("last_progress")) for r in hung}
+        if not hung or new <= self._reported:
+            return None
+        self._reported |= new
+        report = self.report(hung, watched)
+        self.reports.append(report)
+        self.act(report)
+        return report
+
+    def report(self, hung: list[Rank], watched: list[Rank]) -> HangReport:
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(self.clock()))
+        stacks_dir = self.run.stacks / stamp
+        stacks_dir.mkdir(parents=True, exist_ok=True)
+        for r in watched:
+            self._dump(r, stacks_dir)
+        waiting = [r for r in hung if collective_in(r.dump.text)]
+        elsewhere = [r for r in hung if r not in waiting]
+        collective = next((collective_in(r.dump.text) for r in waiting), None)
+        report = HangReport(hung, watched, stacks_dir, _message(waiting, elsewhere),
+                            [r.name for r in waiting], [r.name for r in elsewhere], collective)
+        emit(self.run, "hang_detected", role="watchdog", rank=None, host=self.host,
+             message=report.message, collective=collective, waiting=report.waiting,
+             stuck=report.elsewhere, policy=self.config.hang_policy, stacks_dir=str(stacks_dir),
+             ranks=[_rank_fields(r) for r in hung])
+        log.error("hang detected: %s (stacks in %s)", report.message, stacks_dir)
+        return report
+
+    def _dump(self, r: Rank, stacks_dir: Path) -> None:
+        from rlslurm.diag.guard import faulthandler_path
+
+        pid = int(r.hb["pid"])
+        fh = faulthandler_path(self.run, r.hb["role"], r.hb["rank"], self.host)
+        r.dump = self.dump(pid, native=self.config.native_stacks,
+                           timeout_s=self.config.stack_dump_timeout_s, faulthandler_file=fh)
+        state = "stopped (state T)" if r.dump.state == "stopped" else r.dump.state
+        head = (f"# {r.name} pid {pid} on {self.host}: phase {r.hb.get('phase')}, step {r.hb.get('step')}, "
+                f"no progress for {r.age_s:.1f} s (timeout {r.timeout_s:g} s), process {state}, "
+                f"dumped by {r.dump.method}\n")
+        r.stack_file = stacks_dir / f"{self.host}-{r.hb['role']}-{r.hb['rank']}.txt"
+        r.stack_file.write_text(head + r.dump.text)
+
+    def act(self, report: HangReport) -> None:
+        policy = self.config.hang_policy
+        done: dict = {"policy": policy}
+        if policy == "dump":
+            emit(self.run, "hang_action", role="watchdog", rank=None, action="dump", **done)
+            return
+        if policy == "requeue":
+            done["drain_file"] = str(request_drain(self.run, f"hang detected: {report.message}"))
+            job_id = self.job_id or next((r.hb.get("job_id") for r in report.hung if r.hb.get("job_id")), None)
+            if job_id is None:
+                done["requeue"] = "no SLURM job id: not requeued"
+            else:
+                try:
+                    done["requeue"] = str(self.requeue(str(job_id)))
+                except Exception as e:  # a failed requeue must not stop the kill: the job still has to end
+                    done["requeue"] = f"failed: {e}"
+        done["killed"] = self._kill(report.hung)
+        emit(self.run, "hang_action", role="watchdog", rank=None, action=policy, **done)
+        log.error("hang action %s: %s", policy, done)
+        self.stop()
+
+    def _kill(self, ranks: list[Rank]) -> dict[str, str]:
+        """SIGTERM (+SIGCONT for stopped ones), wait up to kill_grace_s, SIGKILL the survivors."""
+        result: dict[str, str] = {}
+        for r in ranks:
+            pid = int(r.hb["pid"])
+            try:
+                self.kill(pid, signal.SIGTERM)
+                self.kill(pid, signal.SIGCONT)  # a stopped process only acts on SIGTERM once continued
+                result[r.name] = f"pid {pid}: SIGTERM"
+            except ProcessLookupError:
+                result[r.name] = f"pid {pid}: already gone"
+        deadline = self.clock() + self.config.kill_grace_s
+        log.info("waiting up to %.1f s for %d wedged ranks to exit after SIGTERM",
+                 self.config.kill_grace_s, len(ranks))
+        while any(pid_alive(r.hb) for r in ranks) and self.clock() < deadline:
+            self.sleep(0.1)
+        for r in ranks:
+            if pid_alive(r.hb):
+                try:
+                    self.kill(int(r.hb["pid"]), signal.SIGKILL)
+                    result[r.name] += ", SIGKILL"
+                except ProcessLookupError:
+                    pass
+        return result
+
+    def watch(self, exit_when_idle: bool = True) -> int:
+        """Poll until stopped; returns this process's exit code (see the module docstring)."""
+        log.info("watching heartbeats of host %s in %s every %.2f s, policy %s", self.host,
+                 self.run.path, self.config.watch_interval_s, self.config.hang_policy)
+        seen = False
+        while not self._stop.is_set():
+            watched = self.watched()
+            seen = seen or bool(watched)
+            if seen and not watched and exit_when_idle:
+                log.info("every watched process on %s has exited", self.host)
+                return 0
+            if self.poll() is not None and self.config.hang_policy != "dump":
+                return HANG_EXIT_CODE
+            self.sleep(self.config.watch_interval_s)
+        return 0
+
+
+def _rank_fields(r: Rank) -> dict:
+    return {"rank": r.name, "pid": r.hb.get("pid"), "host": r.hb.get("host"), "phase": r.hb.get("phase"),
+            "step": r.hb.get("step"), "age_s": round(r.age_s, 2), "timeout_s": r.timeout_s,
+            "state": r.dump.state if r.dump else None, "collective": collective_in(r.dump.text) if r.dump else None,
+            "top_frame": top_frame(r.dump.text) if r.dump else None,
+            "stack_file": str(r.stack_file) if r.stack_file else None}
+
+
+def _message(waiting: list[Rank], elsewhere: list[Rank]) -> str:
+    """`1 rank in all_reduce of train step 41 (train-0), train-1 in the data phase step 41 (...): ...`."""
+    parts = []
+    groups: dict[tuple, list[Rank]] = {}
+    for r in waiting:
+        groups.setdefault((collective_in(r.dump.text), r.hb.get("phase"), r.hb.get("step")), []).append(r)
+    for (coll, phase, step), rs in groups.items():
+        n = f"{len(rs)} rank{'s' if len(rs) > 1 else ''}"
+        parts.append(f"{n} in {coll} of {phase} step {step} ({', '.join(r.name for r in rs)})")
+    for r in elsewhere:
+        stopped = ", process stopped (state T)" if r.dump and r.dump.state == "stopped" else ""
+        at = top_frame(r.dump.text) if r.dump else None
+        parts.append(f"{r.name} in the {r.hb.get('phase')} phase step {r.hb.get('step')}"
+                     f"{f' at {at}' if at else ''}{stopped}")
+    ages = ", ".join(f"{r.name} {r.age_s:.1f} s > {r.timeout_s:g} s" for r in waiting + elsewhere)
+    text = ", ".join(parts) + f" (no progress: {ages})"
+    if waiting and elsewhere:
+        text += f": {', '.join(r.name for r in waiting)} wait{'s' if len(waiting) == 1 else ''} on " \
+                f"{', '.join(r.name for r in elsewhere)}"
+    return text
+
+
+def _load_config(run: RunDir) -> DiagConfig:
+    if not run.config.is_file():
+        return DiagConfig()
+    from rlslurm.configfile import load_mapping, read_yaml
+
+    data = read_yaml(run.config) or {}
+    return load_mapping(DiagConfig, data.get("diag"), source=str(run.config), key="diag")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m rlslurm.diag.watchdog", description=__doc__.split("\n")[0])
+    env_run = os.environ.get("RLSLURM_RUN_DIR")
+    p.add_argument("--run-dir", default=env_run, required=not env_run,
+                   help="the run directory (default: $RLSLURM_RUN_DIR)")
+    p.add_argument("--host", help="node name whose heartbeats to watch (default: SLURMD_NODENAME or hostname)")
+    p.add_argument("--job-id", help="SLURM job id to requeue (default: the one in the heartbeats)")
+    p.add_argument("--policy", choices=("requeue", "fail", "dump"), help="override diag.hang_policy")
+    p.add_argument("--hang-timeout-s", type=float, help="override diag.hang_timeout_s")
+    p.add_argument("--watch-interval-s", type=float, help="override diag.watch_interval_s")
+    p.add_argument("--kill-grace-s", type=float, help="override diag.kill_grace_s")
+    p.add_argument("--once", action="store_true", help="poll once and exit (0, or HANG_EXIT_CODE on a hang)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s watchdog %(levelname)s %(message)s")
+    run = RunDir(Path(args.run_dir))
+    config = _load_config(run)
+    overrides = {k: v for k, v in (("hang_policy", args.policy), ("hang_timeout_s", args.hang_timeout_s),
+                                   ("watch_interval_s", args.watch_interval_s),
+                                   ("kill_grace_s", args.kill_grace_s)) if v is not None}
+    config = dataclasses.replace(config, **overrides)
+    dog = Watchdog(run, config, host=args.host, job_id=args.job_id)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: dog.stop())
+    if args.once:
+        report = dog.poll()
+        return HANG_EXIT_CODE if report is not None and config.hang_policy != "dump" else 0
+    return dog.watch()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

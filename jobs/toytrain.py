@@ -1,0 +1,265 @@
+"""A small deterministic DDP training loop that exercises checkpoint, drain, requeue and resume for real.
+
+    RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29511 python -m rlslurm.jobs.toytrain --run-dir D --steps 40 &
+    RANK=1 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29511 python -m rlslurm.jobs.toytrain --run-dir D --steps 40
+    kill -USR1 <any rank>      # all ranks drain at the same step, checkpoint, exit 75 (lifecycle.ExitCode)
+    RLSLURM_RESTART_COUNT=1 ...  # the same command again resumes from the newest complete checkpoint
+
+Or from submitit: `executor.submit(toytrain.run_job, run_dir, config_path)` (ranks from SUBMITIT_LOCAL_*
+or SLURM_*, see rlslurm/dist.py). A tiny MLP fits a fixed synthetic regression set; each rank draws its
+batch with torch's RNG and adds numpy noise, so a resume is exact only if model, optimizer, every rank's
+RNG states and the data position all come back. Rank 0 writes the per-step loss and, at the end, the
+weights' sha256 to metrics.jsonl: an interrupted run must end with the same numbers as one that was not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import os
+import random
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import click
+import numpy as np
+import psutil
+import torch
+import torch.distributed as dist
+import yaml
+
+from rlslurm.diag.drain_gate import DrainGate
+from rlslurm import events, lifecycle
+from rlslurm.checkpoint import Checkpoint, CheckpointWriter, IntervalPolicy, latest_complete, step_dirname
+from rlslurm.config import JobConfig, load_config
+from rlslurm.configfile import to_dict
+from rlslurm.dist import Topology, init_process_group
+from rlslurm.lifecycle import ExitCode
+from rlslurm.rundir import RunDir
+
+SAMPLES, FEATURES, HIDDEN = 256, 8, 32
+EXIT_AT_STEP_ENV = "RLSLURM_TEST_EXIT_AT_STEP"
+"""Test hook: rank 0 SIGKILLs itself after this step, a node failure that leaves no checkpoint behind."""
+
+
+def _dataset(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(SAMPLES, FEATURES, generator=g)
+    w = torch.randn(FEATURES, 1, generator=g)
+    return x, x @ w + 0.3 * torch.sin(3 * x[:, :1])
+
+
+def weights_sha256(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+
+
+class ToyTrainer:
+    """Model, optimizer, data and the collective save/load of one rank."""
+
+    def __init__(self, run: RunDir, cfg: JobConfig, topo: Topology):
+        self.run, self.cfg, self.topo = run, cfg, topo
+        torch.manual_seed(cfg.train.seed)  # identical init on every rank
+        self.module = torch.nn.Sequential(
+            torch.nn.Linear(FEATURES, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, 1))
+        self.optimizer = torch.optim.Adam(self.module.parameters(), lr=cfg.train.lr)
+        self.model = torch.nn.parallel.DistributedDataParallel(self.module)
+        self.x, self.y = _dataset(cfg.train.seed)
+        self.per_rank = max(1, cfg.train.batch_size // topo.world_size)
+        # Per-rank streams so ranks draw different batches; restored from the checkpoint on resume.
+        rank_seed = cfg.train.seed * 1000 + topo.rank + 1
+        torch.manual_seed(rank_seed)
+        np.random.seed(rank_seed)
+        random.seed(rank_seed)
+
+    def step(self) -> float:
+        idx = torch.randint(0, SAMPLES, (self.per_rank,))
+        noise = torch.from_numpy(np.random.normal(0.0, 0.01, size=(self.per_rank, 1)).astype(np.float32))
+        loss = torch.nn.functional.mse_loss(self.model(self.x[idx]), self.y[idx] + noise)
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        return mean.item() / self.topo.world_size
+
+    def save(self, step: int) -> float:
+        """Collective: gather every rank's RNG, rank 0 writes; returns the save's seconds on every rank."""
+        rngs = [None] * self.topo.world_size
+        dist.all_gather_object(rngs, _rng_state())
+        seconds = [0.0]
+        if self.topo.is_main:
+            with CheckpointWriter(self.run, step, keep=self.cfg.checkpoint.keep,
+                                  metadata={"world_size": self.topo.world_size, "job": "toytrain"}) as ckpt:
+                ckpt.save_tensors("model", self.module.state_dict())
+                ckpt.save_state("optimizer", self.optimizer.state_dict())
+                ckpt.save_state("rng", rngs)
+                ckpt.save_json("trainer", {"step": step, "data_position": step * self.per_rank * self.topo.world_size,
+                                           "seed": self.cfg.train.seed})
+            seconds = [ckpt.saved.seconds]
+        dist.broadcast_object_list(seconds, src=0)
+        return seconds[0]
+
+    def load(self, ckpt: Checkpoint) -> int:
+        self.module.load_state_dict(ckpt.load_tensors("model"))
+        self.optimizer.load_state_dict(ckpt.load_state("optimizer"))
+        rngs = ckpt.load_state("rng")
+        if len(rngs) != self.topo.world_size:
+            raise RuntimeError(f"{ckpt.path} holds RNG of {len(rngs)} ranks, this run has {self.topo.world_size}")
+        _set_rng_state(rngs[self.topo.rank])
+        return int(ckpt.load_json("trainer")["step"])
+
+
+def _choose_start(run: RunDir, cfg: JobConfig, topo: Topology, restarts: int) -> tuple[str | None, bool]:
+    """Rank 0 picks the checkpoint and runs the start guard; every rank learns (path, proceed)."""
+    box: list = [None, True]
+    if topo.is_main:
+        ckpt = latest_complete(run)
+        step = ckpt.step if ckpt else 0
+        decision = lifecycle.on_start(run, restarts, step=step, checkpoint=ckpt.name if ckpt else None,
+                                      max_no_progress_restarts=cfg.checkpoint.max_no_progress_restarts)
+        box = [str(ckpt.path) if ckpt else None, decision.proceed]
+    dist.broadcast_object_list(box, src=0)
+    return box[0], box[1]
+
+
+def _agree_on_reason(gate: DrainGate, topo: Topology) -> tuple[str, str | None]:
+    """Why the ranks drain, as the leader reports it: the first rank's reason; SIGTERM wins (KillWait)."""
+    seen = [None] * topo.world_size
+    dist.all_gather_object(seen, (gate.reason, gate.signal_name))
+    reasons = [f"rank {r}: {reason}" for r, (reason, _) in enumerate(seen) if reason]
+    signals = {name for _, name in seen if name}
+    return "; ".join(reasons), "SIGTERM" if "SIGTERM" in signals else next(iter(sorted(signals)), None)
+
+
+def train(run_dir: str | Path, cfg: JobConfig, *, step_delay_s: float = 0.0, time_limit_s: float | None = None,
+          requeue=lifecycle.requeue_job) -> ExitCode:
+    """Run (or resume) the toy job in this process as one rank; returns the lifecycle exit code."""
+    run = RunDir(Path(run_dir)).create()
+    topo = Topology.detect()
+    os.environ.setdefault("RLSLURM_RANK", str(topo.rank))
+    torch.set_num_threads(1)
+    gate = DrainGate(run, poll_interval_s=0.5, kill_wait_s=cfg.checkpoint.kill_wait_s)
+    gate.install_signal_handlers()
+    init_process_group(topo)
+    try:
+        code = _train(run, cfg, topo, gate, step_delay_s, time_limit_s, requeue)
+        # Leave together: a rank tearing gloo down while its peer still talks to the store (hosted by
+        # rank 0) aborted with "terminate called without an active exception".
+        dist.barrier()
+        return code
+    finally:
+        gate.restore_signal_handlers()
+        dist.destroy_process_group()
+
+
+def _train(run, cfg, topo, gate, step_delay_s, time_limit_s, requeue) -> ExitCode:
+    if topo.is_main and not run.config.exists():
+        run.config.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    restarts = lifecycle.restart_count()
+    if time_limit_s is None and os.environ.get("SLURM_JOB_ID"):
+        time_limit_s = cfg.cluster.time_limit_min * 60.0
+    trainer = ToyTrainer(run, cfg, topo)
+    path, proceed = _choose_start(run, cfg, topo, restarts)
+    if not proceed:
+        return ExitCode.NO_PROGRESS
+    step = trainer.load(Checkpoint.open(Path(path), verify=False)) if path else 0
+    last_saved = step if path else None
+    policy = IntervalPolicy(cfg.checkpoint, time_limit_s=time_limit_s, start_step=step)
+    pause, exit_at = threading.Event(), int(os.environ.get(EXIT_AT_STEP_ENV, "-1"))
+    first_step = True
+
+    def save(at: int) -> str:
+        nonlocal last_saved
+        if last_saved != at:
+            policy.observe_save(at, trainer.save(at))
+            last_saved = at
+        return step_dirname(at)
+
+    while True:
+        # Step boundary: every rank must agree to drain / save, so they stop at the same step.
+        left = gate.kill_wait_left_s() if gate.check() else None
+        flags = torch.tensor([float(gate.requested), -(left if left is not None else math.inf),
+                              float(topo.is_main and policy.due(step))])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if flags[0] > 0:
+            time_left = None if math.isinf(flags[1]) else -flags[1].item()
+            reason, signal_name = _agree_on_reason(gate, topo)
+            code = lifecycle.finish_drain(run, step=step, reason=reason,
+                                          signal_name=signal_name, save=lambda: save(step), cost_s=policy.cost_s,
+                                          time_left_s=time_left, is_leader=topo.is_main, requeue=requeue)
+            if topo.is_main and code == ExitCode.DRAINED:
+                gate.consume_control_file()
+            return code
+        if flags[2] > 0:
+            save(step)
+        if step >= cfg.train.steps:
+            break
+        started = time.monotonic()
+        loss = trainer.step()
+        step += 1
+        policy.observe_step(time.monotonic() - started)
+        if topo.is_main:
+            run.append_json(run.metrics, {"t": time.time(), "step": step, "loss": loss, "restart_count": restarts})
+            if first_step:
+                since = time.time() - psutil.Process().create_time()
+                events.emit(run, "first_step", step=step, since_process_start_s=round(since, 3))
+        first_step = False
+        if step == exit_at and topo.is_main:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if step_delay_s:
+            pause.wait(step_delay_s)  # stands in for real compute, so tests can signal mid-run
+    save(step)
+    if topo.is_main:
+        digest = weights_sha256(trainer.module)
+        run.append_json(run.metrics, {"t": time.time(), "final": True, "step": step, "weights_sha256": digest})
+        events.emit(run, "done", step=step, weights_sha256=digest)
+    return ExitCode.DONE
+
+
+def run_job(run_dir: str, config_path: str | None = None, **overrides) -> int:
+    """Function form for submitit: load the YAML, apply `train.*` / `checkpoint.*` overrides, train."""
+    cfg = load_config(config_path) if config_path else JobConfig()
+    train_over = {k[6:]: v for k, v in overrides.items() if k.startswith("train_")}
+    ckpt_over = {k[11:]: v for k, v in overrides.items() if k.startswith("checkpoint_")}
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **train_over),
+                              checkpoint=dataclasses.replace(cfg.checkpoint, **ckpt_over))
+    return int(train(run_dir, cfg, step_delay_s=overrides.get("step_delay_s", 0.0),
+                     time_limit_s=overrides.get("time_limit_s")))
+
+
+@click.command()
+@click.option("--run-dir", required=True, type=click.Path(file_okay=False), help="The run directory.")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False, exists=True), help="Job YAML.")
+@click.option("--steps", type=int, help="train.steps override.")
+@click.option("--lr", type=float, help="train.lr override.")
+@click.option("--seed", type=int, help="train.seed override.")
+@click.option("--interval-steps", type=int, help="checkpoint.interval_steps override.")
+@click.option("--step-delay-s", type=float, default=0.0, help="Seconds of idle per step (tests signal mid-run).")
+@click.option("--time-limit-s", type=float, help="Allocation time limit for the checkpoint cap.")
+def main(run_dir, config_path, steps, lr, seed, interval_steps, step_delay_s, time_limit_s):
+    over = {f"train_{k}": v for k, v in (("steps", steps), ("lr", lr), ("seed", seed)) if v is not None}
+    if interval_steps is not None:
+        over["checkpoint_interval_steps"] = interval_steps
+    sys.exit(run_job(run_dir, config_path, step_delay_s=step_delay_s, time_limit_s=time_limit_s, **over))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""How a job starts, leaves and comes back: the exit-code contract of the requeue loop.
+
+Exit codes of a job process (`ExitCode`), and what the batch script / launcher does with each:
+
+    0  DONE           all steps ran; final checkpoint written            -> nothing
+    1  FAILED         an error; the log and events say which             -> nothing (a human looks)
+    75 DRAINED        drained: in-flight step finished, checkpointed,    -> nothing: it already asked
+                      and (on SLURM) `scontrol requeue` of itself sent      SLURM to requeue it
+    76 HANG_DETECTED  the watchdog found a hang and dumped stacks        -> requeue (`needs_requeue`)
+    77 NO_PROGRESS    N starts in a row resumed from the same step:      -> nothing: stop the storm
+                      it gave up requeueing itself
+
+75 is sysexits' EX_TEMPFAIL ("try again later"); 76/77 follow it, clear of the CLI's error codes (1-9,
+rlslurm/errors.py) and of the 128+N of a death by signal.
+
+Start: `on_start(run, restart_count, step=..., checkpoint=...)` (rank 0, after picking the checkpoint)
+records the start in jobs.jsonl and emits `resume` or `start`; the requeue-storm guard compares the
+step this start resumes from with the previous starts': work that is not in a checkpoint is lost on a
+restart, so a start that resumes from the same step as the one before it made no progress.
+
+Drain: after the in-flight step, `finish_drain(...)` checkpoints, requeues the job through its leader
+job id (USR1 / control file only: after a SIGTERM, SLURM is already requeueing, preempting or cancelling
+us, and a second requeue would fail), and returns DRAINED. On SIGTERM the checkpoint is written only if
+the measured cost C (x margin) fits in what is left of KillWait; otherwise the periodic one is relied on.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Callable, Mapping
+
+from rlslurm import events
+from rlslurm.errors import SlurmCommandError
+from rlslurm.rundir import RunDir, read_jsonl
+
+
+class ExitCode(IntEnum):
+    """Exit status of a job process; the requeue loop reads it (see the module docstring)."""
+
+    DONE = 0
+    FAILED = 1
+    DRAINED = 75
+    HANG_DETECTED = 76
+    NO_PROGRESS = 77
+
+
+def needs_requeue(code: int) -> bool:
+    """Whether the launcher must requeue after this exit (DRAINED requeued itself already)."""
+    return code == ExitCode.HANG_DETECTED
+
+
+def restart_count(env: Mapping[str, str] | None = None) -> int:
+    """How many times this job was restarted: RLSLURM_RESTART_COUNT (local launcher) or SLURM_RESTART_COUNT."""
+    e = os.environ if env is None else env
+    return int(e.get("RLSLURM_RESTART_COUNT") or e.get("SLURM_RESTART_COUNT") or 0)
+
+
+def leader_job_id(env: Mapping[str, str] | None = None) -> str | None:
+    """The job id to requeue: a het job only requeues through its leader (component 0); None off SLURM.
+
+    SLURM 22.05 never sets SLURM_HET_JOB_ID, so our batch script exports RLSLURM_LEADER_JOB_ID; the
+    per-component SLURM_JOB_ID_HET_GROUP_0 is the fallback inside the batch shell.
+    """
+    e = os.environ if env is None else env
+    for key in ("RLSLURM_LEADER_JOB_ID", "SLURM_HET_JOB_ID", "SLURM_JOB_ID_HET_GROUP_0", "SLURM_JOB_ID"):
+        if e.get(key):
+            return e[key]
+    return None
+
+
+def requeue_job(job_id: str) -> None:
+    """`scontrol requeue <job_id>` through the one SLURM seam."""
+    from rlslurm.slurm import commands  # only jobs on SLURM get here
+
+    commands.scontrol("requeue", job_id)
+
+
+@dataclass(frozen=True)
+class StartDecision:
+    """What `on_start` found: go on, or stop with NO_PROGRESS."""
+
+    proceed: bool
+    fruitless_starts: int
+    code: ExitCode | None = None
+
+
+def on_start(run: RunDir, restart_count: int, *, step: int, checkpoint: str | None,
+             max_no_progress_restarts: int, env: Mapping[str, str] | None = None) -> StartDecision:
+    """Record this start; emit `resume` / `start`, or `no_progress` and tell the caller to stop."""
+    e = os.environ if env is None else env
+    previous = read_jsonl(run.jobs)
+    fruitless = 0
+    for record in reversed(previous):
+        if record.get("step") != step:
+            break
+        fruitless += 1
+    run.record_start(job_id=leader_job_id(e), restart_count=restart_count, host=socket.gethostname(),
+                     pid=os.getpid(), step=step, checkpoint=checkpoint)
+    if fruitless >= max_no_progress_restarts:
+        events.emit(run, "no_progress", step=step, checkpoint=checkpoint, restart_count=restart_count,
+                    fruitless_starts=fruitless,
+                    reason=f"{fruitless} starts in a row resumed from step {step} (checkpoint {checkpoint}) "
+                           f"without a newer checkpoint; checkpoint.max_no_progress_restarts = "
+                           f"{max_no_progress_restarts}: not requeueing again")
+        return StartDecision(False, fruitless, ExitCode.NO_PROGRESS)
+    if checkpoint is None:
+        events.emit(run, "start", step=step, restart_count=restart_count)
+    else:
+        events.emit(run, "resume", step=step, checkpoint=checkpoint, restart_count=restart_count)
+    return StartDecision(True, fruitless)
+
+
+def finish_drain(run: RunDir, *, step: int, reason: str | None, signal_name: str | None,
+                 save: Callable[[], str | None], cost_s: float, time_left_s: float | None, is_leader: bool,
+                 requeue: Callable[[str], None] = requeue_job, env: Mapping[str, str] | None = None,
+                 margin: float = 1.5) -> ExitCode:
+    """After the in-flight step: checkpoint (if it fits), requeue through the leader, return DRAINED.
+
+    Every rank calls it with the same arguments (`save` may be collective and returns the name of the
+    checkpoint that holds `step`); only the leader emits and requeues. `time_left_s` is the least
+    KillWait left over all ranks after a SIGTERM (None otherwise).
+    """
+    on_sigterm = signal_name == "SIGTERM"
+    saved = None
+    if on_sigterm and time_left_s is not None and time_left_s < cost_s * margin:
+        if is_leader:
+            events.emit(run, "drain_checkpoint_skipped", step=step,
+                        reason=f"{time_left_s:.1f} s of KillWait left < checkpoint cost {cost_s:.1f} s x {margin}: "
+                               f"the restart resumes from the last periodic checkpoint")
+    else:
+        saved = save()
+    if not is_leader:
+        return ExitCode.DRAINED
+    job_id = leader_job_id(env)
+    requeued: str | bool = False
+    if on_sigterm:
+        requeued = "by SLURM (SIGTERM)"
+    elif job_id is None:
+        requeued = "not under SLURM: the launcher restarts the job"
+    else:
+        try:
+            requeue(job_id)
+            requeued = True
+        except SlurmCommandError as err:
+            events.emit(run, "requeue_failed", step=step, job_id=job_id, error=str(err))
+            return ExitCode.FAILED
+        events.emit(run, "requeue", step=step, job_id=job_id, reason=reason)
+    events.emit(run, "drained", step=step, reason=reason, signal=signal_name, job_id=job_id,
+                checkpoint=saved, requeued=requeued)
+    return ExitCode.DRAINED

@@ -1,0 +1,176 @@
+"""The controller's client of rollout engine servers, and a launcher for one server process.
+
+    engine = spawn_engine(model_dir, log_path=run.logs / "engine-0.log")   # or EngineClient(url)
+    out = engine.client.completions(["2 + 3 ="], n=4, max_tokens=8, temperature=1.0)
+    out["policy_version"], out["choices"][0]["token_ids"]
+
+Every call has a timeout; an engine that does not answer raises `EngineRequestError` naming the
+engine's URL, the call and what came back. Admin calls (drain, update, verify, resume, ...) are
+used by the weight-sync protocol in rlslurm/sync/protocol.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import httpx
+
+from rlslurm.errors import RlslurmError
+
+log = logging.getLogger(__name__)
+
+
+class EngineRequestError(RlslurmError):
+    """A rollout engine server refused a call, failed it, or did not answer in time."""
+
+    exit_code = 6
+
+    def __init__(self, message: str, status: int | None = None, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.status = status
+        self.retry_after_s = retry_after_s
+
+
+class EngineClient:
+    """One engine server at `url` (http://host:port)."""
+
+    def __init__(self, url: str, timeout_s: float = 120.0):
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        self._http = httpx.Client(base_url=self.url, timeout=timeout_s)
+
+    def __repr__(self) -> str:
+        return f"EngineClient({self.url!r})"
+
+    def _call(self, method: str, path: str, timeout_s: float | None = None, **kwargs) -> dict:
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            r = self._http.request(method, path, timeout=timeout, **kwargs)
+        except httpx.TimeoutException:
+            raise EngineRequestError(f"engine {self.url}: {method} {path} got no answer within {timeout:.1f} s") from None
+        except httpx.HTTPError as e:
+            raise EngineRequestError(f"engine {self.url}: {method} {path} failed: {type(e).__name__}: {e}") from None
+        if r.status_code >= 400:
+            retry = r.headers.get("Retry-After")
+            raise EngineRequestError(
+                f"engine {self.url}: {method} {path} -> HTTP {r.status_code}: {r.text[:500]}",
+                status=r.status_code, retry_after_s=float(retry) if retry else None)
+        return r.json()
+
+    # -- serving -----------------------------------------------------------------------------------
+    def health(self, timeout_s: float = 5.0) -> dict:
+        return self._call("GET", "/health", timeout_s)
+
+    def wait_ready(self, timeout_s: float, *, clock: Callable[[], float] = time.monotonic,
+                   sleep: Callable[[float], None] = time.sleep, poll_s: float = 0.2,
+                   alive: Callable[[], bool] = lambda: True) -> dict:
+        """Poll /health until it answers, the process dies (`alive`), or timeout_s passes."""
+        deadline = clock() + timeout_s
+        last: Exception | None = None
+        while clock() < deadline:
+            if not alive():
+                raise EngineRequestError(f"engine {self.url} exited before it became healthy ({last})")
+            try:
+                return self.health(timeout_s=min(5.0, timeout_s))
+            except EngineRequestError as e:
+                last = e
+            sleep(poll_s)
+        raise EngineRequestError(f"engine {self.url} not healthy after {timeout_s:.0f} s: last error: {last}")
+
+    def completions(self, prompts: list, *, n: int = 1, max_tokens: int = 16, temperature: float = 1.0,
+                    seed: int | None = None, model: str = "policy", timeout_s: float | None = None) -> dict:
+        body = {"model": model, "prompt": prompts, "n": n, "max_tokens": max_tokens,
+                "temperature": temperature, "seed": seed}
+        return self._call("POST", "/v1/completions", timeout_s, json=body)
+
+    # -- admin (the sync protocol) -----------------------------------------------------------------
+    def version(self) -> int:
+        return int(self._call("GET", "/admin/version")["version"])
+
+    def drain(self, timeout_s: float) -> dict:
+        return self._call("POST", "/admin/drain", timeout_s + 5.0, json={"timeout_s": timeout_s})
+
+    def update_disk(self, path: str, timeout_s: float) -> dict:
+        return self._call("POST", "/admin/update/disk", timeout_s, json={"path": path})
+
+    def broadcast_join(self, addr: str, port: int, rank: int, world_size: int, generation: int,
+                       timeout_s: float) -> dict:
+        body = {"addr": addr, "port": port, "rank": rank, "world_size": world_size,
+                "generation": generation, "timeout_s": timeout_s}
+        return self._call("POST", "/admin/broadcast/join", timeout_s + 5.0, json=body)
+
+    def update_broadcast(self, manifest: list[dict], bucket_bytes: int, timeout_s: float) -> dict:
+        body = {"manifest": manifest, "bucket_bytes": bucket_bytes}
+        return self._call("POST", "/admin/update/broadcast", timeout_s, json=body)
+
+    def update_ipc(self, manifest: list[dict], bucket_bytes: int, handles: list[dict], timeout_s: float) -> dict:
+        body = {"manifest": manifest, "bucket_bytes": bucket_bytes, "handles": handles}
+        return self._call("POST", "/admin/update/ipc", timeout_s, json=body)
+
+    def checksums(self, timeout_s: float | None = None) -> dict[str, str]:
+        return self._call("GET", "/admin/checksum", timeout_s)["checksums"]
+
+    def verify(self, expected: dict[str, str], timeout_s: float) -> dict:
+        return self._call("POST", "/admin/verify", timeout_s, json={"expected": expected})
+
+    def rollback(self, timeout_s: float) -> dict:
+        return self._call("POST", "/admin/rollback", timeout_s)
+
+    def resume(self, version: int, timeout_s: float, unverified_ok: bool = False) -> dict:
+        body = {"version": version, "unverified_ok": unverified_ok}
+        return self._call("POST", "/admin/resume", timeout_s, json=body)
+
+    def close(self) -> None:
+        self._http.close()
+
+
+@dataclass
+class EngineProcess:
+    """A server process started by `spawn_engine`; `stop()` ends it (SIGTERM, then SIGKILL)."""
+
+    proc: subprocess.Popen
+    client: EngineClient
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return self.client.url
+
+    def stop(self, timeout_s: float = 10.0) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout_s)
+        self.client.close()
+        return self.proc.returncode
+
+
+def spawn_engine(model_dir: str | Path, *, port: int, host: str = "127.0.0.1", log_path: str | Path,
+                 extra_args: list[str] | None = None, env: dict[str, str] | None = None,
+                 ready_timeout_s: float = 120.0, timeout_s: float = 120.0) -> EngineProcess:
+    """Start `python -m rlslurm.rollout.server` and wait until it answers /health."""
+    cmd = [sys.executable, "-m", "rlslurm.rollout.server", "--model", str(model_dir),
+           "--host", host, "--port", str(port), *(extra_args or [])]
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    client = EngineClient(f"http://{host}:{port}", timeout_s)
+    log.info("started engine pid %d at %s (log %s)", proc.pid, client.url, log_path)
+    try:
+        client.wait_ready(ready_timeout_s, alive=lambda: proc.poll() is None)
+    except EngineRequestError as e:
+        proc.kill()
+        tail = log_path.read_text(errors="replace")[-2000:]
+        raise EngineRequestError(f"{e}\n--- tail of {log_path} ---\n{tail}") from None
+    return EngineProcess(proc, client, log_path)

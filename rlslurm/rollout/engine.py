@@ -1,0 +1,180 @@
+"""The rollout engine interface, and the transformers engine behind it (the CPU default).
+
+An engine loads a model from a Hugging Face directory (config.json + safetensors + tokenizer),
+generates n samples per prompt in one batched `generate` call with a KV cache, and returns for
+every sample its tokens, per-token logprobs and the policy `version` of the weights that made it.
+`named_weights()` yields exactly the tensors it serves (what VERIFY checksums) and `load_weights()`
+copies new values into them in place. vLLM plugs in behind the same methods on GPU.
+
+    engine = HFEngine("runs/x/checkpoints/step-00000010/hf")
+    [[c]] = engine.generate(["2 + 3 ="], SamplingParams(temperature=0.0, max_new_tokens=4))
+    c.token_ids, c.logprobs, c.version
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+import torch
+
+Prompt = str | list[int]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1
+    """Samples per prompt."""
+    temperature: float = 1.0
+    """0 = greedy."""
+    max_new_tokens: int = 16
+    """Tokens generated per sample at most."""
+    seed: int | None = None
+    """Seed of the sampling RNG for this call; None continues the engine's stream."""
+
+    def batch_key(self) -> tuple | None:
+        """Requests with equal keys can share one `generate` call; None = runs alone (seeded)."""
+        return None if self.seed is not None else (self.temperature, self.max_new_tokens)
+
+
+@dataclass
+class Completion:
+    prompt_index: int
+    sample_index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    """Log-probability of each generated token under the served weights at temperature 1."""
+    finish_reason: str
+    """'stop' (end-of-sequence token) or 'length' (max_new_tokens reached)."""
+    version: int
+    """Policy version of the weights that generated this sample."""
+    prompt_token_ids: list[int] = field(default_factory=list)
+
+
+class Engine(abc.ABC):
+    """What the server and the sync protocol need from an engine; one generate runs at a time."""
+
+    model_name: str
+    version: int
+
+    @abc.abstractmethod
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[list[Completion]]:
+        """n completions per prompt, all stamped with the current version."""
+
+    @abc.abstractmethod
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The tensors being served, under Hugging Face names (tied aliases once)."""
+
+    @abc.abstractmethod
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy new values into served tensors in place; returns bytes loaded. Unknown names raise."""
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """A host copy of the served weights, to roll back to if an update fails its verify."""
+        return {name: t.detach().to("cpu", copy=True) for name, t in self.named_weights()}
+
+    def restore(self, snapshot: dict[str, torch.Tensor]) -> None:
+        self.load_weights(snapshot.items())
+
+
+class WeightLoadError(ValueError):
+    """An update names a tensor the engine does not serve, or gives it the wrong shape or dtype."""
+
+
+class HFEngine(Engine):
+    """transformers `AutoModelForCausalLM` + `generate`; float32 on CPU by default."""
+
+    def __init__(self, model_dir: str | Path, *, device: str = "cpu", dtype: str = "float32",
+                 version: int = 0, name: str | None = None):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.model_dir = Path(model_dir)
+        self.model_name = name or self.model_dir.name
+        self.version = version
+        self.device = torch.device(device)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=getattr(torch, dtype))
+        self.model.to(self.device).eval()
+        self.eos_id = self.tokenizer.eos_token_id
+        if self.eos_id is None:
+            self.eos_id = self.model.generation_config.eos_token_id
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else (self.eos_id if self.eos_id is not None else 0)
+        self._lock = threading.Lock()  # generate and load_weights never overlap
+
+    # -- generation ------------------------------------------------------------------------------
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt)["input_ids"])
+        return [int(t) for t in prompt]
+
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[list[Completion]]:
+        from transformers import GenerationConfig
+
+        encoded = [self.encode(p) for p in prompts]
+        if any(not ids for ids in encoded):
+            raise ValueError("a prompt encodes to zero tokens")
+        rows = [ids for ids in encoded for _ in range(params.n)]
+        width = max(len(r) for r in rows)
+        # Left padding keeps every row's last prompt token in the same column, where decoding starts.
+        input_ids = torch.tensor([[self.pad_id] * (width - len(r)) + r for r in rows], device=self.device)
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self.device)
+        greedy = params.temperature == 0
+        config = GenerationConfig(
+            do_sample=not greedy, temperature=None if greedy else params.temperature,
+            top_k=None, top_p=None, max_new_tokens=params.max_new_tokens,
+            pad_token_id=self.pad_id, eos_token_id=self.eos_id,
+            return_dict_in_generate=True, output_logits=True,
+        )
+        with self._lock, torch.no_grad():
+            version = self.version
+            if params.seed is not None:
+                torch.manual_seed(params.seed)
+            out = self.model.generate(input_ids=input_ids, attention_mask=mask, generation_config=config)
+        new = out.sequences[:, width:]
+        logits = torch.stack(out.logits, dim=1).float()  # raw logits: logprobs at temperature 1
+        chosen = torch.log_softmax(logits, dim=-1).gather(-1, new[:, : logits.shape[1], None])[..., 0]
+        results: list[list[Completion]] = [[] for _ in prompts]
+        for row in range(len(rows)):
+            tokens = new[row].tolist()
+            stop = self.eos_id is not None and self.eos_id in tokens
+            length = tokens.index(self.eos_id) + 1 if stop else len(tokens)
+            tokens = tokens[:length]
+            p = row // params.n
+            results[p].append(Completion(
+                prompt_index=p, sample_index=row % params.n,
+                text=self.tokenizer.decode(tokens, skip_special_tokens=True),
+                token_ids=tokens, logprobs=chosen[row, :length].tolist(),
+                finish_reason="stop" if stop else "length", version=version,
+                prompt_token_ids=encoded[p],
+            ))
+        return results
+
+    # -- weights -----------------------------------------------------------------------------------
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        seen: set[int] = set()
+        for name, tensor in self.model.state_dict().items():
+            if tensor.data_ptr() in seen:  # tied embeddings: one storage, sent and checked once
+                continue
+            seen.add(tensor.data_ptr())
+            yield name, tensor
+
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+        served = self.model.state_dict()
+        loaded = 0
+        with self._lock, torch.no_grad():
+            for name, tensor in named:
+                target = served.get(name)
+                if target is None:
+                    raise WeightLoadError(f"engine {self.model_name} serves no tensor named {name!r}")
+                if tuple(target.shape) != tuple(tensor.shape) or target.dtype != tensor.dtype:
+                    raise WeightLoadError(
+                        f"tensor {name!r}: engine has {target.dtype} {tuple(target.shape)}, "
+                        f"update has {tensor.dtype} {tuple(tensor.shape)}")
+                target.copy_(tensor)
+                loaded += tensor.numel() * tensor.element_size()
+        return loaded

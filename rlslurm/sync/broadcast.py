@@ -1,0 +1,152 @@
+"""Broadcast transport: one process group spanning trainer rank 0 (rank 0 here) and every engine.
+
+The group is built by hand, apart from any default group either side already has (a process cannot
+`init_process_group` twice): a `TCPStore` hosted by the trainer plus `ProcessGroupGloo(store, rank,
+world)` on CPU, or `ProcessGroupNCCL` on GPU — the same code. Weights travel in buckets of
+`sync.bucket_mb` (tensors flattened to bytes, one broadcast per bucket, unflattened on the engine).
+Every collective has the group's timeout, so a dead engine raises instead of hanging; after any
+failure the group is dropped and rebuilt at the next sync.
+
+Trainer: `BroadcastTransport(host, bucket_mb=64).send(tensors, engines, version, timeout_s)`.
+Engine:  `group = BroadcastGroup.join(addr, port, rank, world, timeout_s)`, then `receive(...)`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import socket
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from rlslurm.sync.buckets import Fault, bucket_nbytes, flatten_into, manifest_of, plan_buckets, unflatten
+
+log = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class BroadcastGroup:
+    """A process group of its own (rank 0 = the trainer), for weight broadcasts only."""
+
+    def __init__(self, pg, store, rank: int, world_size: int, device: torch.device, timeout_s: float):
+        self.pg, self.store = pg, store
+        self.rank, self.world_size = rank, world_size
+        self.device, self.timeout_s = device, timeout_s
+
+    @classmethod
+    def join(cls, addr: str, port: int, rank: int, world_size: int, timeout_s: float,
+             device: str | None = None, generation: int = 0) -> "BroadcastGroup":
+        """Rendezvous with all `world_size` members; blocks until they all join or timeout_s passes."""
+        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timeout,
+                              wait_for_workers=False)
+        # A fresh prefix per generation: a rebuilt group must not read the keys of a broken one.
+        prefixed = dist.PrefixStore(f"rlslurm-sync-{generation}", store)
+        if dev.type == "cuda":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+        else:
+            pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        return cls(pg, store, rank, world_size, dev, timeout_s)
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        opts.rootTensor = 0
+        opts.timeout = datetime.timedelta(seconds=self.timeout_s)
+        self.pg.broadcast([tensor], opts).wait()
+
+    def receive(self, manifest: list[dict], bucket_bytes: int, load: Callable) -> int:
+        """Engine side: receive every bucket and hand its tensors to `load`; returns bytes received."""
+        buckets = plan_buckets(manifest, bucket_bytes)
+        buffer = torch.empty(max((bucket_nbytes(b) for b in buckets), default=0), dtype=torch.uint8,
+                             device=self.device)
+        total = 0
+        for bucket in buckets:
+            flat = buffer[: bucket_nbytes(bucket)]
+            self.broadcast(flat)
+            load(unflatten(flat, bucket))
+            total += flat.numel()
+        return total
+
+
+class BroadcastTransport:
+    """Trainer side. `on_bucket(i)` runs after bucket i went out (a test hook for mid-transfer faults)."""
+
+    name = "broadcast"
+
+    def __init__(self, host: str = "127.0.0.1", *, bucket_mb: float = 64.0, port: int | None = None,
+                 fault: Fault | None = None, on_bucket: Callable[[int], None] | None = None):
+        self.host, self.port = host, port
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self.fault, self.on_bucket = fault, on_bucket
+        self.group: BroadcastGroup | None = None
+        self.generation = 0
+        self._members: tuple[str, ...] = ()
+
+    def _connect(self, engines: Sequence, timeout_s: float) -> BroadcastGroup:
+        urls = tuple(e.url for e in engines)
+        if self.group is not None and urls == self._members:
+            return self.group
+        self.close()
+        port = self.port or free_port(self.host)
+        world = len(engines) + 1
+        self.generation += 1
+        log.info("building the sync group: %d engines, store %s:%d, timeout %.0f s",
+                 len(engines), self.host, port, timeout_s)
+        with ThreadPoolExecutor(len(engines)) as pool:
+            joins = [pool.submit(e.broadcast_join, self.host, port, i + 1, world, self.generation, timeout_s)
+                     for i, e in enumerate(engines)]
+            group = BroadcastGroup.join(self.host, port, 0, world, timeout_s, generation=self.generation)
+            for f in joins:
+                f.result()
+        self.group, self._members = group, urls
+        return group
+
+    def send(self, tensors: Mapping[str, torch.Tensor], engines: Sequence, version: int,
+             timeout_s: float) -> int:
+        try:
+            return self._send(tensors, engines, timeout_s)
+        except BaseException:
+            self.close()  # a group that saw a failure is in an unknown state: rebuild next time
+            raise
+
+    def _send(self, tensors, engines, timeout_s) -> int:
+        group = self._connect(engines, timeout_s)
+        manifest = manifest_of(tensors)
+        buckets = plan_buckets(manifest, self.bucket_bytes)
+        buffer = torch.empty(max(bucket_nbytes(b) for b in buckets), dtype=torch.uint8, device=group.device)
+        total = 0
+        with ThreadPoolExecutor(len(engines)) as pool:
+            receipts = [pool.submit(e.update_broadcast, manifest, self.bucket_bytes, timeout_s) for e in engines]
+            for i, bucket in enumerate(buckets):
+                flat = flatten_into(buffer[: bucket_nbytes(bucket)], bucket, tensors)
+                if self.fault:
+                    for name, piece in unflatten(flat, bucket):
+                        self.fault.corrupt(name, piece.reshape(-1).view(torch.uint8))
+                group.broadcast(flat)
+                total += flat.numel()
+                if self.on_bucket:
+                    self.on_bucket(i)
+            done, pending = wait(receipts, timeout=timeout_s)
+            if pending:
+                raise TimeoutError(f"{len(pending)} engines did not confirm the broadcast within {timeout_s} s")
+            for f in done:
+                f.result()
+        return total
+
+    def close(self) -> None:
+        if self.group is not None:
+            # Let go of the group without a collective shutdown: a peer may be dead.
+            self.group = None
+            self._members = ()

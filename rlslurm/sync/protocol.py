@@ -1,0 +1,204 @@
+"""The weight-sync protocol, run by the controller (trainer rank 0) once per step:
+
+    DRAIN   every engine refuses new requests and finishes the ones in flight
+    UPDATE  the transport (disk, broadcast or ipc) puts the new weights into every engine
+    VERIFY  per-tensor checksums taken on the trainer before sending are compared with the ones
+            each engine computes from the weights it now serves; a mismatch re-runs UPDATE up to
+            `sync.retries` times, then the engines roll back, stay drained, and SyncVerifyError
+            says which tensors of which engine differed
+    RESUME  every engine serves again, stamping samples with version + 1
+
+    sync = WeightSync(clients, transport_for(cfg.sync, placement_mode="separate", weights_dir=d), cfg.sync)
+    report = sync.sync(dict(model.state_dict()), version=step + 1)
+    metrics.update(report.metrics())
+
+Every stage runs under `sync.timeout_s`: a dead or stuck engine raises SyncStageError instead of
+hanging the job. Each stage's seconds, bytes and GB/s are in the returned SyncReport.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping, Protocol, Sequence
+
+import torch
+
+from rlslurm.errors import RlslurmError, SyncVerifyError
+from rlslurm.events import emit
+from rlslurm.rundir import RunDir
+from rlslurm.sync.buckets import Fault
+from rlslurm.sync.checksum import checksums, compare
+from rlslurm.sync.config import SyncConfig
+
+log = logging.getLogger(__name__)
+
+STAGES = ("drain", "update", "verify", "resume")
+
+
+class SyncStageError(RlslurmError):
+    """A weight-sync stage failed or ran past sync.timeout_s (dead engine, refusal, broken group)."""
+
+    exit_code = 6
+
+
+class Transport(Protocol):
+    name: str
+
+    def send(self, tensors: Mapping[str, torch.Tensor], engines: Sequence, version: int,
+             timeout_s: float) -> int:
+        """Put `tensors` into every (drained) engine; returns the bytes moved."""
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class StageStat:
+    seconds: float = 0.0
+    bytes: int = 0
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 and self.bytes else 0.0
+
+
+@dataclass
+class SyncReport:
+    transport: str
+    version: int
+    attempts: int = 0
+    stages: dict[str, StageStat] = field(default_factory=lambda: {s: StageStat() for s in STAGES})
+
+    @property
+    def seconds(self) -> float:
+        return sum(s.seconds for s in self.stages.values())
+
+    def metrics(self) -> dict[str, float]:
+        """Flat `sync_<stage>_s` / `_bytes` / `_gbps` keys for the per-step metrics line."""
+        out: dict[str, float] = {"sync_s": self.seconds, "sync_attempts": self.attempts}
+        for name, s in self.stages.items():
+            out.update({f"sync_{name}_s": s.seconds, f"sync_{name}_bytes": s.bytes,
+                        f"sync_{name}_gbps": s.gbps})
+        return out
+
+
+class WeightSync:
+    """DRAIN -> UPDATE -> VERIFY -> RESUME over `engines` (EngineClient-like) with one transport."""
+
+    def __init__(self, engines: Sequence, transport: Transport, config: SyncConfig, *,
+                 run: RunDir | None = None, clock: Callable[[], float] = time.monotonic):
+        self.engines = list(engines)
+        self.transport = transport
+        self.config = config
+        self.run = run
+        self.clock = clock
+
+    def sync(self, tensors: Mapping[str, torch.Tensor], version: int) -> SyncReport:
+        cfg, timeout_s = self.config, self.config.timeout_s
+        report = SyncReport(self.transport.name, version)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        # Taken before anything leaves the trainer: what VERIFY holds the engines to.
+        expected = checksums(tensors.items()) if cfg.verify else {}
+
+        self._stage(report, "drain", lambda: self._each(lambda e: e.drain(timeout_s)))
+        problems: list[dict] = []
+        for attempt in range(cfg.retries + 1):
+            report.attempts = attempt + 1
+            self._stage(report, "update",
+                        lambda: self.transport.send(tensors, self.engines, version, timeout_s))
+            if not cfg.verify:
+                break
+            answers = self._stage(report, "verify",
+                                  lambda: self._each(lambda e: e.verify(expected, timeout_s)))
+            report.stages["verify"].bytes += nbytes * (len(self.engines) + 1)
+            problems = [
+                {"engine": e.url, **p}
+                for e, a in zip(self.engines, answers)
+                # The engine's verdict and our own reading of its checksums must both agree.
+                for p in (a["mismatches"] or compare(expected, a["checksums"]))
+            ]
+            if not problems:
+                break
+            log.error("sync to version %d: verify failed on attempt %d/%d: %d tensors differ, e.g. %s",
+                      version, attempt + 1, cfg.retries + 1, len(problems), problems[0])
+            self._event("sync_verify_mismatch", version=version, attempt=attempt + 1,
+                        mismatches=problems[:8])
+        if problems:
+            self._fail_verify(version, problems, report)
+        self._stage(report, "resume",
+                    lambda: self._each(lambda e: e.resume(version, timeout_s, unverified_ok=not cfg.verify)))
+        self._event("sync_verified", version=version, transport=self.transport.name, **report.metrics())
+        log.info("sync to version %d via %s: %.2f s (update %.3f GB/s)", version, self.transport.name,
+                 report.seconds, report.stages["update"].gbps)
+        return report
+
+    def _fail_verify(self, version: int, problems: list[dict], report: SyncReport):
+        # The engines stay drained on their last verified weights: nothing unverified is served.
+        rolled = []
+        for e in self.engines:
+            try:
+                rolled.append((e.url, e.rollback(self.config.timeout_s)["ok"]))
+            except RlslurmError as err:
+                rolled.append((e.url, f"rollback failed: {err}"))
+        self._event("sync_failed", version=version, transport=self.transport.name,
+                    attempts=report.attempts, mismatches=problems[:8], rollback=rolled)
+        first = problems[0]
+        raise SyncVerifyError(
+            f"weight sync to version {version} via {self.transport.name} failed verification "
+            f"{report.attempts} times: {len(problems)} tensors differ (first: {first['name']!r} on "
+            f"{first['engine']}: expected {first['expected']}, engine has {first['actual']}); "
+            f"engines rolled back and left drained: {rolled}")
+
+    def _each(self, call: Callable) -> list:
+        with ThreadPoolExecutor(max(1, len(self.engines))) as pool:
+            return [f.result() for f in [pool.submit(call, e) for e in self.engines]]
+
+    def _stage(self, report: SyncReport, name: str, work: Callable):
+        started = self.clock()
+        pool = ThreadPoolExecutor(1, thread_name_prefix=f"sync-{name}")
+        try:
+            result = pool.submit(work).result(timeout=self.config.timeout_s)
+        except FutureTimeout:
+            self._event("sync_failed", stage=name, version=report.version, reason="timeout")
+            raise SyncStageError(f"weight sync stage {name} ran past sync.timeout_s = "
+                                 f"{self.config.timeout_s} s (engines {[e.url for e in self.engines]})") from None
+        except RlslurmError as e:
+            if isinstance(e, SyncVerifyError):
+                raise
+            self._event("sync_failed", stage=name, version=report.version, reason=str(e))
+            raise SyncStageError(f"weight sync stage {name} failed: {e}") from e
+        except Exception as e:  # a broken process group, a connection reset, ...
+            self._event("sync_failed", stage=name, version=report.version, reason=repr(e))
+            raise SyncStageError(f"weight sync stage {name} failed: {type(e).__name__}: {e}") from e
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+        stat = report.stages[name]
+        stat.seconds += self.clock() - started
+        if name == "update":
+            stat.bytes += int(result)
+        return result
+
+    def _event(self, kind: str, **fields) -> None:
+        if self.run is not None:
+            emit(self.run, kind, role="controller", **fields)
+
+
+def transport_for(config: SyncConfig, *, placement_mode: str = "separate", weights_dir: str | Path,
+                  host: str = "127.0.0.1", fault: Fault | None = None) -> Transport:
+    """The transport `sync.method` names; auto = ipc when colocated, broadcast otherwise."""
+    from rlslurm.sync.broadcast import BroadcastTransport
+    from rlslurm.sync.disk import DiskTransport
+    from rlslurm.sync.ipc import IpcTransport
+
+    fault = fault if fault is not None else Fault.from_env()
+    method = config.method
+    if method == "auto":
+        method = "ipc" if placement_mode == "colocate" else "broadcast"
+    if method == "disk":
+        return DiskTransport(config.weights_dir or weights_dir, keep=config.keep_versions, fault=fault)
+    if method == "broadcast":
+        return BroadcastTransport(host, bucket_mb=config.bucket_mb, port=config.store_port or None, fault=fault)
+    return IpcTransport(bucket_mb=config.bucket_mb, fault=fault)

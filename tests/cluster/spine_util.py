@@ -1,0 +1,179 @@
+"""Helpers of tests/cluster/test_spine.py: write a toy job's YAML, submit it through `rlslurm.launch`, wait
+on the run directory and SLURM (bounded, polled, logged), and read back losses, checksums and events.
+
+Every number a test asserts comes from the run directory the job wrote (events.jsonl, metrics.jsonl,
+placement.jsonl, checkpoints/) or from SLURM itself (scontrol / squeue through rlslurm.slurm.commands).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from pathlib import Path
+from typing import Callable
+
+import yaml
+
+from rlslurm import launch
+from rlslurm.config import load_config
+from rlslurm.events import read_events
+from rlslurm.rundir import RunDir, read_jsonl
+from rlslurm.slurm import commands, hetjob
+
+log = logging.getLogger("tests.cluster.spine")
+
+STEPS = 24
+"""Steps of every toy run here: same seed, lr, batch and world size, so the same final weights."""
+INTERVAL = 4
+"""checkpoint.interval_steps of the runs (the SIGKILL test uses 2 x INTERVAL)."""
+KILL_WAIT_S = 5
+"""The local cluster's KillWait (rlslurm/slurm/localcluster.py); checkpoint.kill_wait_s matches it."""
+CRED_EXPIRE_S = 5
+"""The local cluster's munge cred_expire: the fixed part of SLURM's requeue delay."""
+
+
+def toy_config(path: Path, run_root: Path, *, step_delay_s: float = 0.2, interval_steps: int = INTERVAL,
+               time_limit_min: int = 5, signal_before_s: int = 30, backend: str = "slurm") -> Path:
+    """Write the toy job's YAML: a het job of 1 train node (2 ranks) + 1 rollout node (the stand-in)."""
+    data = {
+        "job": {"name": path.stem, "kind": "toy"},
+        "hardware": {"profile": "cpu", "nodes": 2, "gpus_per_node": 2},
+        "placement": {"mode": "separate", "rollout_nodes": 1},
+        "train": {"steps": STEPS, "step_delay_s": step_delay_s},
+        # cost_s: the default (490 s, the lecture's) is longer than these allocations, so the policy would
+        # save after step 1 and shift the grid of periodic checkpoints the tests reason about.
+        "checkpoint": {"interval_steps": interval_steps, "kill_wait_s": KILL_WAIT_S, "cost_s": 0.5},
+        "cluster": {"backend": backend, "time_limit_min": time_limit_min, "signal_before_s": signal_before_s,
+                    "run_root": str(run_root)},
+    }
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+TRACKED: list[tuple[str, Path]] = []
+"""(SLURM job id, run dir) of every job these tests submitted, for `cleanup`."""
+
+
+def submit(config: Path) -> launch.Submission:
+    """`rlslurm submit CONFIG` as a library call."""
+    job = load_config(config)
+    sub = launch.submit(job, config_text=config.read_text())
+    log.info("submitted %s job %s: %s", sub.backend, sub.job_id, sub.run_dir)
+    if sub.backend == "slurm":
+        TRACKED.append((sub.job_id, sub.run_dir))
+    return sub
+
+
+def cleanup(timeout_s: float = 30.0) -> list[str]:
+    """Cancel the tracked jobs still in SLURM and end what their runs left behind; returns what it did.
+
+    The local cluster's daemons stop at the end of the session, but a job's processes do not stop with
+    them (slurmstepd lives on): a job left running held its rendezvous port into the next session, whose
+    job of the same id wanted it. A rank killed by SIGKILL also orphans its node agent (a new session,
+    reparented to init, out of proctrack/linuxproc's reach). Processes are found by their run directory.
+    """
+    import psutil
+
+    done = []
+    live = [job_id for job_id, _ in TRACKED if state(job_id) in ("PENDING", "RUNNING", "REQUEUED", "COMPLETING")]
+    for job_id in live:
+        commands.scancel(job_id)
+        done.append(f"scancel {job_id}")
+    if live:
+        wait_for(f"jobs {live} to leave SLURM", lambda: all(state(j) not in ("PENDING", "RUNNING", "COMPLETING")
+                                                             for j in live), timeout_s, poll_s=0.5)
+    runs = [str(run) for _, run in TRACKED]
+    leftovers = [p for p in psutil.process_iter(["pid", "cmdline"])
+                 if p.info["cmdline"] and any(r in arg for arg in p.info["cmdline"] for r in runs)]
+    for proc in leftovers:
+        log.warning("ending leftover pid %d: %s", proc.pid, " ".join(proc.info["cmdline"]))
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.terminate()
+            done.append(f"terminate {proc.pid} ({' '.join(proc.info['cmdline'][1:4])})")
+    _, alive = psutil.wait_procs(leftovers, timeout=5)
+    for proc in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    TRACKED.clear()
+    return done
+
+
+def wait_for(what: str, cond: Callable[[], object], timeout_s: float, *, on_poll: Callable[[], None] | None = None,
+             poll_s: float = 0.1) -> float:
+    """Poll `cond` until truthy, at most timeout_s; `on_poll` runs about once a second (a scheduler kick).
+    Returns the seconds waited."""
+    start = time.monotonic()
+    last_hook = start
+    log.info("waiting up to %.0f s for %s", timeout_s, what)
+    while time.monotonic() - start < timeout_s:
+        if cond():
+            return time.monotonic() - start
+        if on_poll is not None and time.monotonic() - last_hook >= 1.0:
+            on_poll()
+            last_hook = time.monotonic()
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def state(job_id: str) -> str | None:
+    """SLURM state of component 0 of the het job (RUNNING, PENDING, COMPLETED, ...)."""
+    return hetjob.job_states([job_id]).get(job_id, {}).get("State")
+
+
+def events(run: Path, kind: str | None = None) -> list[dict]:
+    return read_events(RunDir(run), kind)
+
+
+def wait_done(job_id: str, run: Path, timeout_s: float, kick: Callable[[], None]) -> float:
+    """Until the run's `done` event and SLURM's COMPLETED, kicking the idle scheduler for requeued jobs."""
+    took = wait_for(f"job {job_id} ({run.name}) to finish", lambda: events(run, "done"), timeout_s,
+                    on_poll=kick, poll_s=0.25)
+    wait_for(f"job {job_id} COMPLETED in SLURM", lambda: state(job_id) == "COMPLETED", 30, poll_s=0.25)
+    return took
+
+
+def losses(run: Path) -> dict[int, float]:
+    """step -> loss; a step run again after a resume from an older checkpoint keeps its last value."""
+    return {m["step"]: m["loss"] for m in read_jsonl(RunDir(run).metrics) if "loss" in m}
+
+
+def last_step(run: Path) -> int:
+    return max(losses(run), default=0)
+
+
+def final_sha(run: Path) -> str:
+    finals = [m for m in read_jsonl(RunDir(run).metrics) if m.get("final")]
+    assert finals, f"no final record in {RunDir(run).metrics}"
+    return finals[-1]["weights_sha256"]
+
+
+def placements(run: Path, role: str | None = None, restart: int | None = None) -> list[dict]:
+    rows = read_jsonl(run / "placement.jsonl")
+    return [r for r in rows if (role is None or r["role"] == role)
+            and (restart is None or r["restart_count"] == restart)]
+
+
+def restart_timing(run: Path, since_t: float, restart: int) -> dict[str, float]:
+    """Seconds from `since_t` (the requeue) to the restart's processes starting (SLURM's part) and to its
+    first step (the whole gap); `ours_s` is the difference: imports, rendezvous, checkpoint load."""
+    after = [e for e in events(run, "first_step") if e["t"] > since_t]
+    assert after, f"no first_step event after t={since_t} in {run}"
+    first = after[0]
+    started = min(r["t"] for r in placements(run, "train", restart))
+    return {"to_first_step_s": first["t"] - since_t, "slurm_s": started - since_t, "ours_s": first["t"] - started}
+
+
+def measure_line(name: str, timing: dict[str, float]) -> str:
+    fixed_s = CRED_EXPIRE_S + KILL_WAIT_S
+    return (f"MEASURE {name}: requeue -> training again {timing['to_first_step_s']:.2f} s "
+            f"(SLURM requeue -> processes start {timing['slurm_s']:.2f} s, "
+            f"start -> first step {timing['ours_s']:.2f} s); "
+            f"minus SLURM's nominal delay cred_expire {CRED_EXPIRE_S} + KillWait {KILL_WAIT_S} s = "
+            f"{timing['to_first_step_s'] - fixed_s:+.2f} s")
+
+
+def train_node(sub: launch.Submission) -> str:
+    """The node of het component 0, from SLURM."""
+    (rec,) = [r for r in commands.show_job(sub.job_id) if r.get("HetJobOffset", "0") == "0"]
+    return rec["NodeList"]

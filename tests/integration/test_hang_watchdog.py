@@ -1,0 +1,165 @@
+"""A real hang, caught by the real node agent: 2 gloo ranks in a loop of all_reduce under the phase guard.
+
+One rank stalls in its "data" phase (a long sleep, or SIGSTOP) while the other waits in all_reduce;
+the watchdog (a separate process from the ranks) must see it within timeout + 5 s, dump both stacks
+with py-spy, name the stalled rank in a `hang_detected` event and carry out the policy.
+
+This file is also the rank program: `python tests/integration/test_hang_watchdog.py RUN_DIR STALL_STEP`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from rlslurm.diag.config import DiagConfig
+from rlslurm.diag.heartbeat import read_heartbeats
+from rlslurm.diag.watchdog import HANG_EXIT_CODE, Watchdog
+from rlslurm.events import read_events
+from rlslurm.rundir import RunDir
+
+TIMEOUT_S = 3.0
+CONFIG = DiagConfig(heartbeat_interval_s=0.2, hang_timeout_s=TIMEOUT_S, watch_interval_s=0.25,
+                    kill_grace_s=2.0, hang_policy="requeue", stack_dump_timeout_s=10.0)
+
+
+def rank_main(run_dir: str, stall_step: int) -> None:
+    """The rank program: data phase (rank 1 may stall in it), then an all_reduce in the train phase."""
+    import torch
+    import torch.distributed as dist
+
+    from rlslurm.diag.guard import PhaseGuard
+    from rlslurm.dist import Topology, init_process_group
+
+    topo = Topology.detect()
+    init_process_group(topo, timeout_s=120)
+    run = RunDir(Path(run_dir))
+    guard = PhaseGuard(run, "train", topo.rank, CONFIG, job_id="4242")
+    with guard:
+        for step in range(100_000):
+            with guard.phase("data", step=step):
+                x = torch.ones(1000) * (topo.rank + 1)
+                if topo.rank == 1 and step == stall_step:
+                    print(f"rank 1 stalls at step {step}", flush=True)
+                    time.sleep(3600)  # the bug under test: a data loader that never returns
+            with guard.phase("train", step=step):
+                dist.all_reduce(x)
+                guard.beat()
+            time.sleep(0.01)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_ranks(run: RunDir, stall_step: int) -> list[subprocess.Popen]:
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        env.pop("SLURMD_NODENAME", None)
+        procs.append(subprocess.Popen([sys.executable, __file__, str(run.path), str(stall_step)], env=env,
+                                      stdout=open(run.logs / f"train-{rank}.log", "w"), stderr=subprocess.STDOUT))
+    return procs
+
+
+def _wait_for_steps(run: RunDir, step: int, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        beats = read_heartbeats(run)
+        if len(beats) == 2 and all((b.get("step") or 0) >= step for b in beats):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"ranks did not reach step {step} in {timeout_s} s: {read_heartbeats(run)}")
+
+
+def _stop(procs):
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait(10)
+
+
+@pytest.fixture
+def run(tmp_path):
+    return RunDir(tmp_path / "run dir").create()
+
+
+def test_stalled_data_phase_is_detected_dumped_and_requeued(run):
+    procs = _start_ranks(run, stall_step=3)
+    try:
+        _wait_for_steps(run, 3)
+        stalled_at = time.time()
+        requeued: list[str] = []
+        dog = Watchdog(run, CONFIG, requeue=lambda job: requeued.append(job) or f"recorded {job}")
+        box = {}
+        t = threading.Thread(target=lambda: box.update(code=dog.watch()))
+        t.start()
+        t.join(TIMEOUT_S + 25)
+        assert not t.is_alive(), "watchdog did not act"
+        assert box["code"] == HANG_EXIT_CODE
+
+        (hang,) = read_events(run, "hang_detected")
+        assert hang["t"] - stalled_at <= TIMEOUT_S + 5, hang["t"] - stalled_at
+        assert hang["stuck"] == ["train-1"] and hang["waiting"] == ["train-0"]
+        assert hang["collective"] == "all_reduce"
+        assert "train-1 in the data phase step 3" in hang["message"]
+        assert "1 rank in all_reduce of train step" in hang["message"]
+        stacks = {p.name: p.read_text() for p in Path(hang["stacks_dir"]).iterdir()}
+        assert len(stacks) == 2
+        rank0 = next(v for k, v in stacks.items() if k.endswith("train-0.txt"))
+        rank1 = next(v for k, v in stacks.items() if k.endswith("train-1.txt"))
+        assert "all_reduce" in rank0 and "rank_main" in rank1 and "all_reduce" not in rank1
+
+        (action,) = read_events(run, "hang_action")
+        assert requeued == ["4242"] and action["requeue"] == "recorded 4242"
+        assert (run.control / "drain").read_text().startswith("hang detected")
+        for p in procs:  # the wedged ranks were killed so the job's exit path runs
+            assert p.wait(10) in (-signal.SIGTERM, -signal.SIGKILL)
+    finally:
+        _stop(procs)
+
+
+def test_sigstopped_rank_detected_by_the_agent_process(run):
+    procs = _start_ranks(run, stall_step=10**9)
+    try:
+        _wait_for_steps(run, 2)
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        (run.path / "config.yaml").write_text(json.dumps({"diag": {
+            "heartbeat_interval_s": 0.2, "hang_timeout_s": TIMEOUT_S, "watch_interval_s": 0.25,
+            "hang_policy": "dump"}}))
+        agent = subprocess.Popen([sys.executable, "-m", "rlslurm.diag.watchdog", "--run-dir", str(run.path)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + TIMEOUT_S + 20
+        while not read_events(run, "hang_action") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        agent.send_signal(signal.SIGTERM)
+        out, _ = agent.communicate(timeout=10)
+        assert agent.returncode == 0, out
+        (hang,) = read_events(run, "hang_detected")
+        assert hang["stuck"] == ["train-1"] and hang["waiting"] == ["train-0"], hang
+        assert "process stopped (state T)" in hang["message"]
+        files = sorted(Path(hang["stacks_dir"]).iterdir())
+        texts = [f.read_text() for f in files]
+        assert "stopped (state T)" in texts[1] and "py-spy --nonblocking" in texts[1]
+        assert "all_reduce" in texts[0]
+        assert all(p.poll() is None for p in procs)  # policy dump: nobody killed
+    finally:
+        os.kill(procs[1].pid, signal.SIGCONT)
+        _stop(procs)
+
+
+if __name__ == "__main__":
+    rank_main(sys.argv[1], int(sys.argv[2]))

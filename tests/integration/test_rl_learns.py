@@ -1,0 +1,77 @@
+"""The two entrances end to end: SFT (examples/tiny-sft.yaml), then GRPO (examples/tiny-grpo.yaml) from
+the SFT export as it is, both through `launch.submit(..., backend="local")` on 2 gloo ranks with an
+engine server process and verified weight sync; held-out greedy accuracy after RL must beat SFT's.
+
+    python -m pytest -q -s tests/integration/test_rl_learns.py     # ~50 s on 2 cores; -s prints the numbers
+
+Measured on this machine (seeds fixed by the examples): SFT 0.374, RL 0.503 / 0.569 / 0.594 after 20 / 40
+/ 60 steps, of the same 1000 held-out problems; SFT ~15 s, RL ~20 s. Why the margin is 0.10: with 1000
+problems the standard error of an accuracy near 0.4-0.6 is ~1.6 %, of a difference of two ~2.2 % (less,
+since the problems are the same), so +0.10 is > 4 standard errors above "no gain", and the measured +0.22
+still leaves 0.12 for a platform's run-to-run drift. A control run with the advantages shuffled within each
+step (same updates, no reward signal) fell to 0.13: the gain is the reward's, not a drift of training.
+The gain holds across SFT budgets (single-process runs of the same recipe, 60 steps): SFT 700 steps
+0.147 -> 0.302, 850 steps 0.374 -> 0.60, 1000 steps 0.622 -> 0.815.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rlslurm import launch
+from rlslurm.config import load_config
+from rlslurm.events import read_events
+from rlslurm.rundir import RunDir, read_jsonl
+
+ROOT = Path(__file__).resolve().parents[2]
+WAIT_S = 540
+MARGIN = 0.10
+
+
+def _submit(example: str, run_root: Path, overrides: tuple[str, ...] = ()):
+    path = ROOT / "examples" / example
+    job = load_config(path, overrides)
+    sub = launch.submit(job, config_text=path.read_text(), backend="local", run_root=run_root)
+    results = launch.wait(sub, timeout_s=WAIT_S, poll_s=0.5)
+    assert [int(code) for code in results] == [0] * len(results), f"{example} ended {results}; see {sub.run_dir}"
+    return job, sub.run_dir
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("learns")
+    sft_job, sft_dir = _submit("tiny-sft.yaml", root / "sft")
+    (sft_eval,) = [r for r in read_jsonl(sft_dir / "metrics.jsonl") if r.get("kind") == "sft_eval"]
+    rl_job, rl_dir = _submit("tiny-grpo.yaml", root / "rl", (f"train.init_from={sft_eval['export']}",))
+    steps = [r for r in read_jsonl(rl_dir / "metrics.jsonl") if "policy_version" in r]
+    evals = [(0, e["held_out_accuracy"]) for e in read_jsonl(rl_dir / "events.jsonl") if e["kind"] == "eval"]
+    evals += [(r["step"], r["held_out_accuracy"]) for r in steps if "held_out_accuracy" in r]
+    print(f"\nSFT held-out accuracy {sft_eval['heldout_accuracy']:.3f} "
+          f"({sft_eval['heldout_correct']}/{sft_eval['heldout_total']}, {sft_eval['wall_s']:.1f} s); "
+          f"RL {' -> '.join(f'{a:.3f}@{s}' for s, a in evals)} ({sum(r['step_s'] for r in steps):.1f} s in steps)")
+    return {"sft_job": sft_job, "sft": sft_eval, "rl_job": rl_job, "rl_dir": rl_dir, "steps": steps, "evals": evals}
+
+
+def test_rl_beats_sft_on_held_out_problems(runs):
+    sft, (last_step, rl_acc) = runs["sft"]["heldout_accuracy"], runs["evals"][-1]
+    assert last_step == runs["rl_job"].train.steps
+    assert rl_acc >= sft + MARGIN, f"RL {rl_acc:.3f} vs SFT {sft:.3f}: the gain is under {MARGIN}"
+    (done,) = read_events(RunDir(runs["rl_dir"]), "done")
+    assert done["held_out_accuracy"] == rl_acc
+
+
+def test_rl_starts_from_the_sft_export_as_it_is(runs):
+    # same split, same weights, no conversion: the engine's first evaluation is SFT's own number
+    assert runs["rl_job"].task == runs["sft_job"].task
+    assert runs["evals"][0] == (0, runs["sft"]["heldout_accuracy"])
+
+
+def test_training_reward_rises_and_engine_matches_trainer(runs):
+    rewards = [r["reward_mean"] for r in runs["steps"]]
+    assert len(rewards) == runs["rl_job"].train.steps
+    assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10 + 0.03, rewards
+    # the engine sampled with the weights the trainer scores: a gap means a sync or masking bug
+    assert max(r["engine_trainer_logprob_gap"] for r in runs["steps"]) < 1e-3
+    assert all(r["effective_samples"] > 0 and r["staleness_max"] == 0 for r in runs["steps"])
