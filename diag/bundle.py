@@ -4,10 +4,10 @@
     print(bundle.summary)                                           # names the most likely cause
 
 Contents (under diag-<run>-<stamp>/): summary.txt/.json; slurm/ (scontrol show job, sacct or sacct -c);
-run/ (config.yaml, plan.json, jobs.jsonl, events.jsonl, metrics tail, rendered sbatch scripts);
-heartbeats.txt + heartbeats/; env/ fingerprints + env-diff.txt; stacks/ (dumps of hangs, faulthandler
-files, and a live py-spy dump of processes still running on this host); logs/ (the tail of each log);
-checkpoints.txt.
+run/ (config.yaml, plan.json, jobs.jsonl, submissions.jsonl, events.jsonl, metrics tail, rendered sbatch
+scripts); heartbeats.txt + heartbeats/; env/ fingerprints + env-diff.txt; stacks/ (dumps of hangs,
+faulthandler files, and a live py-spy dump of processes still running on this host); logs/ (the tail
+of each log); checkpoints.txt.
 
 Redaction, everywhere, before anything is written: values of keys whose name contains TOKEN, KEY,
 SECRET, PASSWORD (any case) in config, env and JSON; `NAME=value` / `name: value` with such names in
@@ -108,20 +108,26 @@ class Bundle:
     causes: list[summ.Cause]
 
 
+# Where a run records its SLURM job id: every start (jobs.jsonl), and `rlslurm submit` before any start
+# (submissions.jsonl), so a job that never ran a step is found too.
+_JOB_RECORDS = ("jobs.jsonl", "submissions.jsonl")
+
+
 def find_run(target: str, run_root: Path | None = None) -> tuple[RunDir, str | None]:
-    """A run directory from a path, or from a SLURM job id recorded in <run_root>/*/jobs.jsonl."""
+    """A run directory from a path, or from a SLURM job id recorded in <run_root>/*/{jobs,submissions}.jsonl."""
     path = Path(target)
     if path.is_dir():
         run = RunDir(path)
-        starts = read_jsonl(run.jobs)
-        return run, next((str(_job_id(s)) for s in reversed(starts) if _job_id(s)), None)
+        records = [r for name in _JOB_RECORDS for r in read_jsonl(run.path / name)]
+        return run, next((str(_job_id(s)) for s in reversed(records) if _job_id(s)), None)
     roots = [run_root] if run_root else [Path("runs"), Path(".")]
     for root in roots:
-        for jobs in sorted(Path(root).glob("*/jobs.jsonl")):
-            if any(str(target) in _job_ids(rec) for rec in read_jsonl(jobs)):
-                return RunDir(jobs.parent), str(target)
+        for name in _JOB_RECORDS:
+            for records in sorted(Path(root).glob(f"*/{name}")):
+                if any(str(target) in _job_ids(rec) for rec in read_jsonl(records)):
+                    return RunDir(records.parent), str(target)
     raise RunDirError(f"{target!r} is neither a run directory nor a job id recorded in "
-                      f"{', '.join(str(r) for r in roots)}/*/jobs.jsonl (pass --run-root)")
+                      f"{', '.join(str(r) for r in roots)}/*/{{{','.join(_JOB_RECORDS)}}} (pass --run-root)")
 
 
 def _job_ids(rec: dict) -> set[str]:
@@ -215,7 +221,7 @@ def collect(target: str | Path, *, run_root: Path | None = None, out_dir: Path |
     files.update({f"slurm/{k}": v for k, v in slurm_texts.items()})
     if config is not None:
         files["run/config.yaml"] = yaml.safe_dump(red.structure(config), sort_keys=False)
-    for p in (run.plan, run.jobs, run.events):
+    for p in (run.plan, run.jobs, run.events, run.path / "submissions.jsonl"):
         if p.is_file():
             files[f"run/{p.name}"] = p.read_text(errors="replace")
     if run.metrics.is_file():

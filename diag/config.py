@@ -28,6 +28,9 @@ class DiagConfig:
     """On a hang with policy requeue or fail: seconds between SIGTERM and SIGKILL of the wedged ranks."""
     log_tail_lines: int = 200
     """Lines of each log (and of metrics.jsonl) that `rlslurm diag` puts into its bundle."""
+    agent_idle_exit_s: float = 600.0
+    """Seconds the node agent waits for a first running heartbeat of its node before it exits (ranks that
+    died before their phase guard, or an entrance without one, must not leave it behind forever)."""
 
     def __post_init__(self):
         check(self.heartbeat_interval_s > 0, "heartbeat_interval_s", "must be > 0 (seconds)")
@@ -39,6 +42,7 @@ class DiagConfig:
         check(self.stack_dump_timeout_s > 0, "stack_dump_timeout_s", "must be > 0 (seconds)")
         check(self.kill_grace_s >= 0, "kill_grace_s", "must be >= 0 (seconds)")
         check(self.log_tail_lines >= 1, "log_tail_lines", "must be >= 1 (lines)")
+        check(self.agent_idle_exit_s > 0, "agent_idle_exit_s", "must be > 0 (seconds)")
 
     def timeout_for(self, phase: str | None) -> float:
         """Seconds without progress after which a rank in `phase` counts as hung."""

@@ -4,7 +4,12 @@ Who raises it:
   - SIGUSR1: SLURM's pre-timeout signal (`--signal=USR1@N`) or `scancel -s USR1`; we requeue ourselves.
   - SIGTERM: `scontrol requeue`, preemption or scancel; SLURM sends SIGKILL KillWait seconds later, so
     `kill_wait_left_s()` says whether a checkpoint still fits (rlslurm/lifecycle.py decides).
-  - a `control/drain` file in the run directory (`touch <run>/control/drain`), noticed by `check()`.
+  - a `control/drain` file in the run directory (`touch <run>/control/drain`, `rlslurm drain`, the node
+    agent on a hang), noticed by `check()`. A file older than this process (by more than
+    STALE_MARGIN_S) is a request to an earlier start of the job: the node agent writes one on a hang and
+    then requeues, and the ranks it drained never lived to remove it. It is ignored (one
+    `drain_request_stale` event), or every requeued start would drain at once. A drained job removes
+    the file itself (`consume_control_file`).
   - code: `gate.request("reason")`.
 
 Lifecycle: build one gate per process, `install_signal_handlers()` once from the main thread (Python
@@ -23,18 +28,25 @@ import signal as _signal
 import time
 from typing import Callable, Iterable
 
+import psutil
+
 from rlslurm import events
 from rlslurm.rundir import RunDir
 
 DRAIN_FILE = "drain"
+STALE_MARGIN_S = 1.0
+"""A control file this much older than the process start is stale (mtime and start are wall clock)."""
 
 
 class DrainGate:
     """A sticky drain request fed by signals, the run's control/drain file, or code."""
 
     def __init__(self, run: RunDir | None = None, *, clock: Callable[[], float] = time.monotonic,
-                 poll_interval_s: float = 1.0, kill_wait_s: float = 30.0):
+                 poll_interval_s: float = 1.0, kill_wait_s: float = 30.0, not_before: float | None = None):
         self.run, self.clock = run, clock
+        # Wall-clock time (like a file's mtime) before which a control file belongs to an earlier start.
+        self.not_before = psutil.Process().create_time() - STALE_MARGIN_S if not_before is None else not_before
+        self._stale_seen: float | None = None
         self.poll_interval_s, self.kill_wait_s = poll_interval_s, kill_wait_s
         self._reason: str | None = None
         self._signum: int | None = None
@@ -90,14 +102,27 @@ class DrainGate:
             now = self.clock()
             if now >= self._next_poll:
                 self._next_poll = now + self.poll_interval_s
-                if (self.run.control / DRAIN_FILE).exists():
-                    self.request(f"control file {self.run.control / DRAIN_FILE}")
+                self._poll_control_file()
         if self._reason is not None and not self._announced:
             self._announced = True
             if self.run is not None:
                 events.emit(self.run, "drain_requested", reason=self._reason, signal=self.signal_name,
                             kill_wait_left_s=self.kill_wait_left_s())
         return self._reason is not None
+
+    def _poll_control_file(self) -> None:
+        path = self.run.control / DRAIN_FILE
+        try:
+            mtime = path.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if mtime >= self.not_before:
+            self.request(f"control file {path}")
+        elif self._stale_seen != mtime:
+            self._stale_seen = mtime
+            events.emit(self.run, "drain_request_stale", file=str(path),
+                        reason=f"written {self.not_before + STALE_MARGIN_S - mtime:.1f} s before this process "
+                               f"started: a request to an earlier start of the job; ignored")
 
     def consume_control_file(self) -> bool:
         """Remove control/drain once the drain is done, so the requeued job runs on; True if it was there."""
@@ -119,3 +144,16 @@ class DrainGate:
         for signum, handler in self._previous.items():
             _signal.signal(signum, handler)
         self._previous.clear()
+
+
+def agreed_reason(gate: DrainGate, world_size: int) -> tuple[str, str | None]:
+    """Collective, once the ranks agreed to drain: every rank's reason ("rank 1: signal SIGUSR1; ...") and
+    the signal that decides how to leave. SIGTERM wins: SLURM's SIGKILL follows it after KillWait, and it
+    is SLURM, not the job, that requeues then. Every rank gets the same answer."""
+    import torch.distributed as dist
+
+    seen: list = [None] * world_size
+    dist.all_gather_object(seen, (gate.reason, gate.signal_name))
+    reasons = [f"rank {r}: {reason}" for r, (reason, _) in enumerate(seen) if reason]
+    signals = {name for _, name in seen if name}
+    return "; ".join(reasons), "SIGTERM" if "SIGTERM" in signals else next(iter(sorted(signals)), None)

@@ -44,6 +44,9 @@ _COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "all_gather_object", "al
 _PYSPY_FRAME = re.compile(r"^\s+(?P<func>[\w<>.:~]+) \((?P<file>[^:()]+)(?::(?P<line>\d+))?\)")
 _FAULTHANDLER_FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>[\w<>.]+)')
 _NATIVE_WAIT = re.compile(r"(gloo::|c10d::|ncclKernel|nccl\w*Wait|ProcessGroupNCCL|ProcessGroupGloo|TCPStore)")
+# DDP all-reduces gradient buckets from C++ inside backward(): no Python all_reduce frame, but the main
+# thread waits in the reducer (or, with NCCL/gloo, in their allreduce), so the native frames name it.
+_NATIVE_ALL_REDUCE = re.compile(r"c10d::Reducer::|gloo::\w*[Aa]llreduce|nccl\w*All[Rr]educe")
 
 
 @dataclass
@@ -152,6 +155,8 @@ def collective_in(text: str) -> str | None:
         name = func.rsplit(".", 1)[-1]
         if name in _COLLECTIVES and ("distributed" in file or "c10d" in file):
             return name
+    if _NATIVE_ALL_REDUCE.search(text):
+        return "all_reduce"
     if _NATIVE_WAIT.search(text):
         return "collective"
     return None

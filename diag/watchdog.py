@@ -1,6 +1,7 @@
 """The node agent: one watchdog process per node that turns a silent hang into a dumped, named, acted-on event.
 
     python -m rlslurm.diag.watchdog --run-dir RUN [--job-id J] [--policy requeue|fail|dump] [--host H]
+                                    [--parent-pid P]
 
 Run it beside the ranks of a node (e.g. `srun --ntasks-per-node=1 ... &` in the batch script, or as a
 subprocess of local rank 0). It is a separate process on purpose: a rank wedged in C code (an NCCL/gloo
@@ -10,18 +11,29 @@ Lifecycle: start -> every `diag.watch_interval_s` read <run>/heartbeats/*.json o
 process is alive -> a rank is hung when now - last_progress > the phase timeout in its heartbeat ->
 dump the stacks of every watched rank on this node into <run>/stacks/<stamp>/<host>-<role>-<rank>.txt
 (diag/stack_dump.py), emit `hang_detected` naming the stuck ranks, their phases, the collective the
-others wait in, then act by `diag.hang_policy`:
+others wait in (a rank found in a collective counts as waiting even before its own timeout ran out: it
+entered the collective a moment after the stuck rank stopped), then act by `diag.hang_policy`:
 
 - dump: nothing more; keep watching (the same hang is not reported twice).
 - requeue: write <run>/control/drain (the drain gate of every process reads it), `scontrol requeue` the
-  job (an injectable function), SIGTERM the wedged ranks, SIGKILL them after `diag.kill_grace_s`, and
-  exit with HANG_EXIT_CODE.
+  job (an injectable function), SIGTERM the wedged ranks (stuck and waiting), SIGKILL them after
+  `diag.kill_grace_s`, and exit with HANG_EXIT_CODE. The drain file stays behind (the wedged ranks die
+  before they could remove it); a drain gate ignores a request older than its own process
+  (diag/drain_gate.py), so the requeued start runs on.
 - fail: the same without drain and requeue.
 
-Exit codes of this process: 0 when every watched process exited (or on SIGTERM/SIGINT), HANG_EXIT_CODE
-(rlslurm.lifecycle's hang-detected code where that module defines one) after acting on a hang. The
-killed ranks themselves end by signal (143 after SIGTERM, 137 after SIGKILL in a shell's terms); the
-`hang_action` event records which pids got which signal.
+Stop: the agent must never outlive its job, and nothing else ends it where the rank that started it was
+SIGKILLed (it runs in its own session, out of the reach of SLURM's process tracking). Each poll it exits
+0, with a log line saying why, when
+- every watched process of its node has exited (after it saw at least one),
+- its parent (`--parent-pid`, by default the process that started it: the node's local rank 0) is gone,
+- no running heartbeat of its node appeared within `diag.agent_idle_exit_s` of its start,
+- or on SIGTERM/SIGINT.
+
+Exit codes of this process: 0 in those cases, HANG_EXIT_CODE (rlslurm.lifecycle's hang-detected code
+where that module defines one) after acting on a hang. The killed ranks themselves end by signal (143
+after SIGTERM, 137 after SIGKILL in a shell's terms); the `hang_action` event records which pids got
+which signal.
 """
 
 from __future__ import annotations
@@ -37,6 +49,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
+
+import psutil
 
 from rlslurm.diag.config import DiagConfig
 from rlslurm.diag.heartbeat import label, pid_alive, read_heartbeats, this_host
@@ -102,7 +116,9 @@ class Rank:
         return label(self.hb)
 
     def where(self) -> str:
-        return f"{self.hb.get('phase')} step {self.hb.get('step')}"
+        """`train step 41`, or `between phases after step 41` (a step boundary's collective, say)."""
+        phase, step = self.hb.get("phase"), self.hb.get("step")
+        return f"{phase} step {step}" if phase else f"between phases after step {step}"
 
 
 @dataclass
@@ -123,14 +139,19 @@ class Watchdog:
                  clock: Callable[[], float] = time.time, sleep: Callable[[float], object] | None = None,
                  requeue: Callable[[str], object] = scontrol_requeue,
                  kill: Callable[[int, int], None] = os.kill, dump: Callable[..., StackDump] = dump_stack,
-                 job_id: str | None = None):
+                 job_id: str | None = None, parent_pid: int | None = None):
         self.run, self.config = run, config
         self.host = host or this_host()
         self.clock, self.requeue, self.kill, self.dump = clock, requeue, kill, dump
         self.job_id = job_id
+        self.parent_pid = parent_pid
+        self._parent_started = _create_time(parent_pid) if parent_pid else None
         self._stop = threading.Event()
         # Waits go through the stop Event, so stop() ends them at once; tests inject their own.
         self.sleep = sleep or self._stop.wait
+        # The kill grace is not cut short by stop(): SLURM's SIGTERM (the requeue just asked for) arrives
+        # right then, and a stop-Event wait would turn the grace into a busy loop on a shared node.
+        self._grace_sleep = sleep or threading.Event().wait
         self._reported: set[tuple] = set()
         self.reports: list[HangReport] = []
 
@@ -167,7 +188,8 @@ class Watchdog:
         stacks_dir.mkdir(parents=True, exist_ok=True)
         for r in watched:
             self._dump(r, stacks_dir)
-        waiting = [r for r in hung if collective_in(r.dump.text)]
+        # A rank in a collective waits on the stuck one even if its own timeout has a moment to go.
+        waiting = [r for r in watched if collective_in(r.dump.text)]
         elsewhere = [r for r in hung if r not in waiting]
         collective = next((collective_in(r.dump.text) for r in waiting), None)
         report = HangReport(hung, watched, stacks_dir, _message(waiting, elsewhere),
@@ -175,7 +197,7 @@ class Watchdog:
         emit(self.run, "hang_detected", role="watchdog", rank=None, host=self.host,
              message=report.message, collective=collective, waiting=report.waiting,
              stuck=report.elsewhere, policy=self.config.hang_policy, stacks_dir=str(stacks_dir),
-             ranks=[_rank_fields(r) for r in hung])
+             ranks=[_rank_fields(r) for r in elsewhere + waiting])
         log.error("hang detected: %s (stacks in %s)", report.message, stacks_dir)
         return report
 
@@ -187,9 +209,11 @@ class Watchdog:
         r.dump = self.dump(pid, native=self.config.native_stacks,
                            timeout_s=self.config.stack_dump_timeout_s, faulthandler_file=fh)
         state = "stopped (state T)" if r.dump.state == "stopped" else r.dump.state
+        # Say the collective in words: DDP's gradient all-reduce shows only as c10d::Reducer frames.
+        coll = collective_in(r.dump.text)
         head = (f"# {r.name} pid {pid} on {self.host}: phase {r.hb.get('phase')}, step {r.hb.get('step')}, "
                 f"no progress for {r.age_s:.1f} s (timeout {r.timeout_s:g} s), process {state}, "
-                f"dumped by {r.dump.method}\n")
+                f"{f'waiting in {coll}, ' if coll else ''}dumped by {r.dump.method}\n")
         r.stack_file = stacks_dir / f"{self.host}-{r.hb['role']}-{r.hb['rank']}.txt"
         r.stack_file.write_text(head + r.dump.text)
 
@@ -209,7 +233,8 @@ class Watchdog:
                     done["requeue"] = str(self.requeue(str(job_id)))
                 except Exception as e:  # a failed requeue must not stop the kill: the job still has to end
                     done["requeue"] = f"failed: {e}"
-        done["killed"] = self._kill(report.hung)
+        wedged = report.hung + [r for r in report.watched if r.name in report.waiting and r not in report.hung]
+        done["killed"] = self._kill(wedged)
         emit(self.run, "hang_action", role="watchdog", rank=None, action=policy, **done)
         log.error("hang action %s: %s", policy, done)
         self.stop()
@@ -229,7 +254,7 @@ class Watchdog:
         log.info("waiting up to %.1f s for %d wedged ranks to exit after SIGTERM",
                  self.config.kill_grace_s, len(ranks))
         while any(pid_alive(r.hb) for r in ranks) and self.clock() < deadline:
-            self.sleep(0.1)
+            self._grace_sleep(0.1)
         for r in ranks:
             if pid_alive(r.hb):
                 try:
@@ -239,21 +264,50 @@ class Watchdog:
                     pass
         return result
 
+    def parent_gone(self) -> bool:
+        """Whether the process this agent belongs to has exited (a pid reused since does not count)."""
+        if not self.parent_pid:
+            return False
+        started = _create_time(self.parent_pid)
+        if started is None or self._parent_started is None:
+            return True
+        return abs(started - self._parent_started) > 1.0
+
     def watch(self, exit_when_idle: bool = True) -> int:
         """Poll until stopped; returns this process's exit code (see the module docstring)."""
-        log.info("watching heartbeats of host %s in %s every %.2f s, policy %s", self.host,
-                 self.run.path, self.config.watch_interval_s, self.config.hang_policy)
+        log.info("watching heartbeats of host %s in %s every %.2f s, policy %s, parent pid %s, idle exit "
+                 "after %.0f s", self.host, self.run.path, self.config.watch_interval_s,
+                 self.config.hang_policy, self.parent_pid, self.config.agent_idle_exit_s)
         seen = False
+        started = self.clock()
         while not self._stop.is_set():
             watched = self.watched()
             seen = seen or bool(watched)
-            if seen and not watched and exit_when_idle:
-                log.info("every watched process on %s has exited", self.host)
+            if exit_when_idle and seen and not watched:
+                log.info("exiting: every watched process on %s has exited", self.host)
+                return 0
+            if exit_when_idle and not seen and self.clock() - started > self.config.agent_idle_exit_s:
+                log.info("exiting: no running heartbeat of %s appeared in %.0f s (diag.agent_idle_exit_s)",
+                         self.host, self.config.agent_idle_exit_s)
+                return 0
+            if exit_when_idle and self.parent_gone():
+                log.info("exiting: parent pid %s is gone (the job's process on %s ended)",
+                         self.parent_pid, self.host)
                 return 0
             if self.poll() is not None and self.config.hang_policy != "dump":
                 return HANG_EXIT_CODE
             self.sleep(self.config.watch_interval_s)
+        log.info("exiting: asked to stop (SIGTERM/SIGINT)")
         return 0
+
+
+def _create_time(pid: int) -> float | None:
+    """Start time of `pid`, or None when no such (live) process exists."""
+    try:
+        proc = psutil.Process(pid)
+        return None if proc.status() == psutil.STATUS_ZOMBIE else proc.create_time()
+    except psutil.Error:
+        return None
 
 
 def _rank_fields(r: Rank) -> dict:
@@ -272,13 +326,16 @@ def _message(waiting: list[Rank], elsewhere: list[Rank]) -> str:
         groups.setdefault((collective_in(r.dump.text), r.hb.get("phase"), r.hb.get("step")), []).append(r)
     for (coll, phase, step), rs in groups.items():
         n = f"{len(rs)} rank{'s' if len(rs) > 1 else ''}"
-        parts.append(f"{n} in {coll} of {phase} step {step} ({', '.join(r.name for r in rs)})")
+        where = f"of {rs[0].where()}" if phase else rs[0].where()
+        parts.append(f"{n} in {coll} {where} ({', '.join(r.name for r in rs)})")
     for r in elsewhere:
         stopped = ", process stopped (state T)" if r.dump and r.dump.state == "stopped" else ""
         at = top_frame(r.dump.text) if r.dump else None
-        parts.append(f"{r.name} in the {r.hb.get('phase')} phase step {r.hb.get('step')}"
-                     f"{f' at {at}' if at else ''}{stopped}")
-    ages = ", ".join(f"{r.name} {r.age_s:.1f} s > {r.timeout_s:g} s" for r in waiting + elsewhere)
+        phase = r.hb.get("phase")
+        where = f"in the {phase} phase step {r.hb.get('step')}" if phase else r.where()
+        parts.append(f"{r.name} {where}{f' at {at}' if at else ''}{stopped}")
+    ages = ", ".join(f"{r.name} {r.age_s:.1f} s {'>' if r.hung else 'of'} {r.timeout_s:g} s"
+                     for r in waiting + elsewhere)
     text = ", ".join(parts) + f" (no progress: {ages})"
     if waiting and elsewhere:
         text += f": {', '.join(r.name for r in waiting)} wait{'s' if len(waiting) == 1 else ''} on " \
@@ -306,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hang-timeout-s", type=float, help="override diag.hang_timeout_s")
     p.add_argument("--watch-interval-s", type=float, help="override diag.watch_interval_s")
     p.add_argument("--kill-grace-s", type=float, help="override diag.kill_grace_s")
+    p.add_argument("--parent-pid", type=int,
+                   help="exit once this process is gone (default: the process that started the agent; 0 = never)")
     p.add_argument("--once", action="store_true", help="poll once and exit (0, or HANG_EXIT_CODE on a hang)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s watchdog %(levelname)s %(message)s")
@@ -315,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
                                    ("watch_interval_s", args.watch_interval_s),
                                    ("kill_grace_s", args.kill_grace_s)) if v is not None}
     config = dataclasses.replace(config, **overrides)
-    dog = Watchdog(run, config, host=args.host, job_id=args.job_id)
+    parent = os.getppid() if args.parent_pid is None else args.parent_pid
+    dog = Watchdog(run, config, host=args.host, job_id=args.job_id, parent_pid=parent or None)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: dog.stop())
     if args.once:

@@ -106,8 +106,7 @@ def _train_role(run: RunDir) -> int:
     if kind == "sft":
         from rlslurm.jobs import sft
 
-        sft.run_sft(job, run.path)
-        return ExitCode.DONE
+        return int(sft.run_sft(job, run.path)["exit_code"])
     from rlslurm.jobs import rl
 
     return int(rl.run(job, run.path) or 0)
@@ -146,13 +145,18 @@ def run_component(run_dir: str) -> int:
     steps = []
     if topo.is_main and "SLURM_HET_SIZE" in os.environ:
         steps = _start_components(run, load_config(run.config).job.kind)
+    code = None
     try:
         code = _train_role(run)
         # Trained or drained: a late USR1 has nothing left to stop, and a drain file now would stop the next start.
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     finally:
-        for step in steps:
-            step.stop(timeout_s=30)
+        # Drained on SLURM, the job is being requeued (by us, or by SLURM itself after its SIGTERM): SLURM
+        # stops every component, SIGTERM then SIGKILL after KillWait. Stopping them here too only kept
+        # this rank past KillWait, and SLURM killed it in the middle of its exit.
+        if not (code == ExitCode.DRAINED and leader_job_id()):
+            for step in steps:
+                step.stop(timeout_s=30)
         if agent is not None and agent.poll() is None:
             agent.terminate()
     if needs_requeue(code) and topo.is_main and leader_job_id():
@@ -183,6 +187,9 @@ def _stand_in(run: RunDir, role: str) -> int:
 @click.option("--run-dir", required=True, type=click.Path(file_okay=False), help="The run directory.")
 @click.option("--role", type=click.Choice(["rollout", "reward"]), required=True, help="Which component this is.")
 def main(run_dir: str, role: str) -> None:
+    # The het job's USR1 (`scancel -s USR1`, --signal=USR1@N) reaches these steps too; its default
+    # action would kill a component that is still loading. The trainer decides the drain and stops us.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     run = RunDir(Path(run_dir))
     os.environ[ENV_VAR] = str(run.path)
     os.environ["RLSLURM_ROLE"] = role

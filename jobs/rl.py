@@ -8,9 +8,24 @@ diagram in DESIGN.md, each phase inside the phase guard:
     prompts -> rollout (engines) -> reward -> advantages -> train (DDP) -> sync (DRAIN/UPDATE/VERIFY/RESUME)
     -> metrics -> checkpoint
 
-Engines are separate server processes (rlslurm/rollout/server.py): on SLURM the rollout het component
-runs them (`run_engine`) and they announce themselves in <run>/endpoints/; elsewhere the controller
-spawns them beside itself. Samples carry the policy version that produced them.
+Engines are separate server processes (rlslurm/rollout/server.py): on SLURM with separate placement
+the rollout het component runs them (`run_engine`) and they announce themselves in <run>/endpoints/;
+colocated (a plain SLURM job) or off SLURM the controller spawns them beside itself. Samples carry the
+policy version that produced them.
+
+Drain (USR1, `rlslurm drain`, SIGTERM): the trainer ranks agree at a step boundary, the controller
+drains the engines, rank 0 checkpoints (model, optimizer, every rank's RNG, step = data position,
+policy version, eval history) and requeues the whole het job; the next start resumes at that step and
+version and syncs the new engines to it. Engine sampling is seeded by (train.seed, step, engine), so
+a resumed run draws the same samples: tests/cluster/test_rl_slurm.py holds it to the uninterrupted
+run's reward/loss trajectory.
+
+The reward (`reward.service`): `inline` scores in the controller with the task's rule; `local` (the
+example's default) runs the supervised reward service (rlslurm/reward/) beside the controller; `component`
+runs it in a het component of its own on `reward.partition` (`run_reward`, announced in
+<run>/endpoints/reward.json). Each engine's responses go to the service as they arrive, `reward.batch_size`
+per request; a response it cannot score is degraded by `reward.degrade`, and each step's metrics count
+reward_degraded, reward_degraded_ratio, reward_dropped and reward_restarts (see docs/reward-service.md).
 
 Whether it learns depends less on this file than on where it starts: from a cosine-annealed SFT minimum
 the first steps of a fresh Adam lose accuracy whatever the loss (plain SFT does the same); from the
@@ -20,16 +35,19 @@ steps (tests/integration/test_rl_learns.py).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
 import os
 import random
+import signal
 import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
@@ -37,72 +55,26 @@ from torch.nn.parallel import DistributedDataParallel
 from rlslurm import events, lifecycle
 from rlslurm.checkpoint import Checkpoint, CheckpointWriter, IntervalPolicy, latest_complete
 from rlslurm.config import JobConfig
-from rlslurm.diag.drain_gate import DrainGate
+from rlslurm.diag.drain_gate import DrainGate, agreed_reason
 from rlslurm.diag.env_diff import compare, read_fingerprints, write_fingerprint
 from rlslurm.diag.guard import PhaseGuard
 from rlslurm.dist import Topology, free_port, init_process_group
 from rlslurm.errors import RlslurmError
 from rlslurm.lifecycle import ExitCode
+from rlslurm.reward.config import RewardConfig
+from rlslurm.rl.experience import (Experience, GroupAssembler, Sample, build_samples, choice_id,  # noqa: F401
+                                  group_advantages)
+from rlslurm.rl.pipeline import THREADED_ENV, ExperiencePipeline, stamp_staleness
 from rlslurm.rundir import RunDir
-from rlslurm.tasks.arithmetic import Problem, make_splits, score
+from rlslurm.tasks.arithmetic import ANSWER_FORMAT, Problem, make_splits, normalize, score
 from rlslurm.tinymodel import build_model, load_hf, save_hf
 from rlslurm.tokenizer import PAD_ID
 
 log = logging.getLogger("rlslurm.jobs.rl")
 
 
-@dataclass
-class Sample:
-    """One response, as it reaches the loss."""
-
-    prompt_ids: list[int]
-    response_ids: list[int]
-    reward: float
-    advantage: float
-    version: int
-    engine_logprobs: list[float]
-
-
-@dataclass
-class Experience:
-    """What the controller hands every rank for one step, and what it measured making it."""
-
-    samples: list[Sample]
-    stats: dict = field(default_factory=dict)
-
-
-# -- advantages --------------------------------------------------------------------------------------
-
-def group_advantages(rewards: list[float], eps: float = 1e-6) -> list[float] | None:
-    """GRPO: (r - mean) / std within one prompt's group; None for a zero-variance group (no signal)."""
-    mean = sum(rewards) / len(rewards)
-    var = sum((r - mean) ** 2 for r in rewards) / len(rewards)
-    if var < eps * eps:
-        return None
-    std = math.sqrt(var)
-    return [(r - mean) / (std + eps) for r in rewards]
-
-
-def build_samples(problems: list[Problem], choices: list[dict], rewards: list[float], k: int,
-                  encode) -> tuple[list[Sample], int]:
-    """(samples, groups dropped): choices and rewards are prompt-major, k per prompt, in `problems` order;
-    a group whose k rewards are all equal teaches nothing and is left out (it would only add noise)."""
-    if len(choices) != len(problems) * k or len(rewards) != len(choices):
-        raise RlslurmError(f"{len(choices)} responses and {len(rewards)} rewards for {len(problems)} prompts "
-                           f"x {k} samples: the rollout lost or duplicated responses")
-    samples, dropped = [], 0
-    for g, problem in enumerate(problems):
-        group = range(g * k, (g + 1) * k)
-        adv = group_advantages([rewards[i] for i in group])
-        if adv is None:
-            dropped += 1
-            continue
-        prompt_ids = list(encode(problem.prompt))
-        for i, a in zip(group, adv):
-            c = choices[i]
-            samples.append(Sample(prompt_ids, list(c["token_ids"]), rewards[i], a, int(c["policy_version"]),
-                                  list(c["token_logprobs"])))
-    return samples, dropped
+# Sample, Experience, group_advantages and build_samples: rlslurm/rl/experience.py (imported above, and
+# re-exported: the experience pipeline builds them outside this job).
 
 
 # -- the policy on every rank ------------------------------------------------------------------------
@@ -142,8 +114,12 @@ class Policy:
     def update(self, samples: list[Sample], guard: PhaseGuard) -> dict:
         """One clipped policy-gradient step on this rank's share; DDP averages the gradients.
 
-        One update per batch, so `old` equals `new` in value and the ratio is 1: the clip only starts to
-        matter once a batch is reused (several epochs, or stale samples with max_staleness > 0).
+        The ratio is pi_theta / pi_behaviour. A fresh sample (staleness 0) was sampled by these very
+        weights, so its behaviour logprobs are the trainer's own (`old`, equal to `new` in value): the
+        ratio is exactly 1 and the clip idle. A stale one (rl.max_staleness > 0) was sampled by an older
+        policy: its behaviour logprobs are the engine's, and where the policy has since moved a token past
+        1 +- clip_eps in the direction of its advantage, the clip stops the gradient (PPO's trust region),
+        so running ahead cannot compound an update the fresh samples would not make.
         """
         clip = self.job.rl.clip_eps
         self.optimizer.zero_grad(set_to_none=True)
@@ -165,8 +141,16 @@ class Policy:
         adv = torch.tensor([s.advantage for s in samples])[:, None]
         with torch.no_grad():
             old = self._logprobs(self.model, ids, attn)
+        behaviour = old
+        stale = [i for i, s in enumerate(samples) if s.staleness > 0]
+        if stale:
+            behaviour = old.clone()
+            for i in stale:
+                s = samples[i]
+                behaviour[i, len(s.prompt_ids) - 1: len(s.prompt_ids) - 1 + len(s.engine_logprobs)] = \
+                    torch.tensor(s.engine_logprobs)
         new = self._logprobs(self.ddp, ids, attn)
-        ratio = torch.exp(new - old)
+        ratio = torch.exp(new - behaviour)
         surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip, 1 + clip) * adv)
         tokens = loss_mask.sum().clamp(min=1.0)
         # GRPO's sequence-level mean: every response weighs the same whatever its length, so a long wrong
@@ -186,54 +170,133 @@ class Policy:
                                                    self.job.train.grad_clip or float("inf"))
         self.optimizer.step()
         guard.beat()
-        engine_lp = [lp for s in samples for lp in s.engine_logprobs]
-        trainer_lp = [old[i, len(s.prompt_ids) - 1 + j].item() for i, s in enumerate(samples)
-                      for j in range(len(s.engine_logprobs))]
+        # The engine sampled a fresh sample with exactly these weights: a gap means a sync or masking bug.
+        # A stale sample's gap is how far the policy moved since; the clip fraction says how much it bit.
+        fresh = [(i, s) for i, s in enumerate(samples) if s.staleness == 0]
+        engine_lp = [lp for _, s in fresh for lp in s.engine_logprobs]
+        trainer_lp = [old[i, len(s.prompt_ids) - 1 + j].item() for i, s in fresh for j in range(len(s.engine_logprobs))]
         gap = max((abs(a - b) for a, b in zip(engine_lp, trainer_lp)), default=0.0)
+        with torch.no_grad():
+            clipped = ((ratio - 1).abs() > clip).float()
+            clip_fraction = float((clipped * loss_mask).sum() / tokens)
+            drift = float(((old - behaviour).abs() * loss_mask).sum() / tokens)
         return {"loss": float(loss.detach()), "tokens": int(tokens), "kl": float(kl.detach()),
-                "grad_norm": float(grad_norm), "engine_trainer_logprob_gap": gap}
+                "grad_norm": float(grad_norm), "engine_trainer_logprob_gap": gap, "clip_fraction": clip_fraction,
+                "stale_logprob_drift": drift}
 
 
 # -- the controller (rank 0) ---------------------------------------------------------------------------
 
 class Engines:
-    """The rollout engines the controller talks to: spawned here, or announced by the rollout component."""
+    """The rollout engines the controller talks to: announced by the rollout het component (separate
+    placement on SLURM), or spawned here beside rank 0 (colocated, or any run off SLURM)."""
 
     def __init__(self, job: JobConfig, run: RunDir, model_dir: Path):
         from rlslurm.rollout.client import EngineClient, spawn_engine
 
+        self.run = run
         self.processes = []
         if os.environ.get("SLURM_HET_SIZE", "1") != "1":
-            self.clients = [EngineClient(url, job.rollout.request_timeout_s)
-                            for url in wait_for_endpoints(run, job.rollout.engines, job.rollout.request_timeout_s)]
+            urls = wait_for_endpoints(run, job.rollout.engines, job.rollout.request_timeout_s,
+                                      job_id=lifecycle.leader_job_id(), restart_count=lifecycle.restart_count())
+            self.clients = [EngineClient(url, job.rollout.request_timeout_s) for url in urls]
+            for client in self.clients:  # an engine announces itself before its server listens
+                client.wait_ready(job.rollout.request_timeout_s)
         else:
+            node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
             for i in range(job.rollout.engines):
                 proc = spawn_engine(model_dir, port=free_port(), log_path=run.logs / f"engine-{i}.log",
                                     extra_args=["--threads", "1"],
                                     env={"RLSLURM_RUN_DIR": str(run.path), "RLSLURM_ROLE": "rollout",
                                          "RLSLURM_RANK": str(i)},
-                                    timeout_s=job.rollout.request_timeout_s)
+                                    timeout_s=job.rollout.request_timeout_s,
+                                    engine=job.rollout.engine, python=job.rollout.python)
                 self.processes.append(proc)
+                # A spawned engine is no SLURM task of its own, so it is recorded here: on SLURM this is
+                # where a colocated engine shows it shares the trainer's node.
+                run.append_json(run.path / "placement.jsonl", {
+                    "t": time.time(), "role": "rollout", "rank": i, "node": node,
+                    "partition": os.environ.get("SLURM_JOB_PARTITION"), "job_id": lifecycle.leader_job_id(),
+                    "restart_count": lifecycle.restart_count(), "pid": proc.proc.pid, "colocated": True})
             self.clients = [p.client for p in self.processes]
+
+    def drain(self, timeout_s: float) -> None:
+        """The engines' part of a job drain: refuse new prompts, finish the ones in flight (bounded).
+
+        The controller calls it once the trainer ranks agreed on the drain step, not the engines on
+        their own signal: an engine that refused prompts in the middle of a step would fail that step.
+        """
+        from rlslurm.rollout.client import EngineRequestError
+
+        states = {}
+        for client in self.clients:
+            try:
+                answer = client.drain(timeout_s)
+                states[client.url] = {"state": answer["state"], "waited_s": round(answer["waited_s"], 3),
+                                      "version": answer["version"]}
+            except EngineRequestError as e:  # the job checkpoints and requeues whatever an engine says
+                states[client.url] = {"state": "unknown", "error": str(e)}
+        events.emit(self.run, "engines_drained", role="controller", engines=states)
 
     def stop(self) -> None:
         for proc in self.processes:
             proc.stop()
+        for client in self.clients:
+            client.close()
 
 
-def wait_for_endpoints(run: RunDir, count: int, timeout_s: float, poll_s: float = 0.5) -> list[str]:
-    """URLs of `count` engines from <run>/endpoints/engine-*.json, polled and bounded."""
+def wait_for_endpoints(run: RunDir, count: int, timeout_s: float, *, job_id: str | None, restart_count: int,
+                       poll_s: float = 0.5) -> list[str]:
+    """URLs of `count` engines of this start of the job, from <run>/endpoints/engine-*.json (polled,
+    bounded). A requeued job finds the files of its previous allocation there until its new engines
+    overwrite them: only files stamped with this job id and restart count count."""
     folder = run.path / "endpoints"
     deadline = time.monotonic() + timeout_s
     while True:
-        found = sorted(folder.glob("engine-*.json")) if folder.is_dir() else []
+        found, stale = [], 0
+        for path in sorted(folder.glob("engine-*.json")) if folder.is_dir() else []:
+            record = json.loads(path.read_text())
+            if (record.get("job_id"), record.get("restart_count")) == (job_id, restart_count):
+                found.append(record["url"])
+            else:
+                stale += 1
         if len(found) >= count:
-            return [json.loads(p.read_text())["url"] for p in found[:count]]
+            return found[:count]
         if time.monotonic() > deadline:
-            raise RlslurmError(f"only {len(found)} of {count} rollout engines announced themselves in {folder} "
-                               f"within {timeout_s:.0f} s; see {run.logs}/rollout-*.log")
-        log.info("waiting for %d engine endpoints in %s (%d so far)", count, folder, len(found))
+            raise RlslurmError(f"only {len(found)} of {count} rollout engines of job {job_id} restart {restart_count} "
+                               f"announced themselves in {folder} within {timeout_s:.0f} s ({stale} stale files "
+                               f"of earlier starts); see {run.logs}/rollout-*.log")
+        log.info("waiting for %d engine endpoints in %s (%d so far, %d stale)", count, folder, len(found), stale)
         time.sleep(poll_s)
+
+
+def sync_host() -> str:
+    """Where engines reach the broadcast group's store on this (rank 0) process: its node's address on
+    SLURM (engines on the rollout nodes connect to it), loopback elsewhere (engines beside us)."""
+    from rlslurm.dist import node_address
+
+    node = os.environ.get("SLURMD_NODENAME")
+    return node_address(node) if node else "127.0.0.1"
+
+
+def reward_config(job: JobConfig) -> RewardConfig:
+    """job.reward as the service must score this task: the rule scorer also checks the task's one answer
+    form (ANSWER_FORMAT), unless reward.format_regex names another, so it scores as `score` does."""
+    if job.reward.scorer == "rule" and job.reward.format_regex is None:
+        return dataclasses.replace(job.reward, format_regex=ANSWER_FORMAT)
+    return job.reward
+
+
+def open_reward_session(job: JobConfig, run: RunDir):
+    """None for reward.service = inline (the controller scores); else the service's session: the reward
+    component's (announced in <run>/endpoints/reward.json) on SLURM, else a supervised one started here."""
+    if job.reward.service == "inline":
+        return None
+    from rlslurm.reward.session import RewardSession
+
+    # Off SLURM there is no reward component: `component` runs the same service beside the controller.
+    component = job.reward.service == "component" and os.environ.get("SLURM_HET_SIZE", "1") != "1"
+    return RewardSession.open(reward_config(job), run, diag=job.diag, component=component)
 
 
 class Controller:
@@ -246,12 +309,27 @@ class Controller:
         self.train_set, self.held_out = make_splits(job.task)
         self.engines = Engines(job, run, model_dir)
         placement = "colocate" if job.placement.mode == "colocate" else "separate"
-        self.transport = transport_for(job.sync, placement_mode=placement, weights_dir=run.path / "weights")
+        self.transport = transport_for(job.sync, placement_mode=placement, weights_dir=run.path / "weights",
+                                       host=sync_host())
         self.sync = WeightSync(self.engines.clients, self.transport, job.sync, run=run)
+        self.rewards = None
+        self.pipeline: ExperiencePipeline | None = None  # from the first step on (start_experience)
+        try:
+            self.rewards = open_reward_session(job, run)
+        except BaseException:
+            self.close()  # the engines it spawned must not outlive a controller that never started
+            raise
 
     def close(self) -> None:
+        pipeline = getattr(self, "pipeline", None)
+        if pipeline is not None:
+            pipeline.close(timeout_s=0)  # stop it first: the engines and the service go away below
+        if getattr(self, "rewards", None) is not None:
+            self.rewards.close()
         self.transport.close()
         self.engines.stop()
+        if pipeline is not None:
+            pipeline.close()  # its HTTP call in flight failed just now: it ends
 
     def check_env(self) -> None:
         """Before the first sync: every rank and engine on one torch (and NCCL) when broadcasting."""
@@ -265,8 +343,10 @@ class Controller:
         rng = random.Random(self.job.train.seed * 1_000_003 + step)
         return rng.sample(self.train_set, self.job.rl.prompts_per_step)
 
-    def rollout(self, problems: list[Problem], step: int, guard: PhaseGuard) -> list[dict]:
-        """k samples per prompt from the engines; prompts split across engines in a fixed order."""
+    def rollout(self, problems: list[Problem], step: int, guard: PhaseGuard, on_choices=None) -> list[dict]:
+        """k samples per prompt from the engines; prompts split across engines in a fixed order.
+        `on_choices(batch)` gets each engine's responses as they arrive (the reward service scores them
+        while the next engine is asked)."""
         cfg, n_eng = self.job.rollout, len(self.engines.clients)
         choices: list[dict] = []
         for i, client in enumerate(self.engines.clients):
@@ -276,39 +356,110 @@ class Controller:
             out = client.completions(share, n=self.job.rl.samples_per_prompt, max_tokens=cfg.max_new_tokens,
                                      temperature=cfg.temperature, seed=self.job.train.seed * 7919 + step * 31 + i)
             guard.beat()
-            choices.extend({**c, "engine": i, "share_index": k // self.job.rl.samples_per_prompt}
-                           for k, c in enumerate(out["choices"]))
-        # back to prompt order: engine i holds prompts i, i + n_eng, ...
-        for c in choices:
-            c["prompt_index"] = c["share_index"] * n_eng + c["engine"]
+            # back to prompt order: engine i holds prompts i, i + n_eng, ...
+            batch = [{**c, "engine": i, "prompt_index": (k // self.job.rl.samples_per_prompt) * n_eng + i}
+                     for k, c in enumerate(out["choices"])]
+            if on_choices is not None:
+                on_choices(batch)
+            choices.extend(batch)
         return sorted(choices, key=lambda c: (c["prompt_index"], c["index"]))
 
-    def reward(self, problems: list[Problem], choices: list[dict]) -> list[float]:
-        return [score(problems[c["prompt_index"]], c["text"]) for c in choices]
+    @staticmethod
+    def reward_item(problems: list[Problem], choice: dict):
+        """One response as the reward service scores it: normalised text against the task's answer."""
+        from rlslurm.reward.scorers import Item
+
+        problem = problems[choice["prompt_index"]]
+        return Item(id=choice_id(choice), response=normalize(choice["text"]), prompt=problem.prompt,
+                    reference=problem.target)
+
+    # -- one step's experience: made here (synchronous) or ahead by the pipeline (rlslurm/rl/pipeline.py) --
+
+    def start_experience(self, step: int, version: int, rl_state: dict) -> None:
+        """The experience pipeline from `step` on (trainer at `version`, engines serving it), with what a
+        checkpoint buffered ahead; a buffered step older than rl.max_staleness allows now is made again."""
+        k = self.job.rl.max_staleness
+        buffered = {}
+        for entry in rl_state.get("experience_buffer", []):
+            m, exp = int(entry["step"]), Experience.from_json(entry["experience"])
+            if m >= step and max((version + m - step - v for v in exp.response_versions), default=0) <= k:
+                buffered[m] = exp
+        self.pipeline = ExperiencePipeline(self._rollout_step, self._finish_step, max_staleness=k,
+                                           first_step=step, last_step=self.job.train.steps, buffered=buffered,
+                                           threaded=os.environ.get(THREADED_ENV) == "1" or None).start()
+        if self.pipeline.restored:
+            events.emit(self.run, "experience_restored", role="controller", steps=self.pipeline.restored)
 
     def experience(self, step: int, version: int, guard: PhaseGuard) -> Experience:
-        k = self.job.rl.samples_per_prompt
-        times = {}
+        """The experience step `step` trains on at `version`, each sample stamped with its staleness; raises
+        StalenessError for one more than rl.max_staleness versions old (a broken schedule)."""
+        if getattr(self, "pipeline", None) is None:
+            self.start_experience(step, version, {})
+        exp = self.pipeline.take(step, guard)
+        exp.stats.update(stamp_staleness(exp, version, self.job.rl.max_staleness, step))
+        return exp
+
+    def sync_weights(self, weights: dict[str, torch.Tensor], version: int, guard: PhaseGuard) -> dict:
+        """DRAIN -> UPDATE -> VERIFY -> RESUME to `version`, between two rollouts: the rollouts scheduled on
+        the older weights finish first, the ones scheduled on these start after (rlslurm/rl/pipeline.py)."""
+        self.pipeline.before_sync(version, guard)
+        metrics = self.sync.sync(weights, version=version).metrics()
+        self.pipeline.synced(version)
+        return metrics
+
+    def experience_buffer(self, step: int, guard: PhaseGuard) -> list[dict]:
+        """The experience made ahead of step boundary `step` (rl.max_staleness > 0), for the RL state of a
+        checkpoint there: the resumed run trains on it as the uninterrupted run would have."""
+        return [{"step": m, "experience": exp.to_json()} for m, exp in self.pipeline.buffered(step, guard).items()]
+
+    def _rollout_step(self, step: int, guard) -> dict:
+        """Step `step`'s prompts through the engines. Each engine's responses are scored as they arrive (the
+        rule right here, or the service's requests meanwhile) and a prompt's group gets its advantages as
+        soon as its last reward lands (GroupAssembler); `_finish_step` waits for what is still open."""
         with guard.phase("data", step=step):
             problems = self.prompts(step)
+        assembler = GroupAssembler(problems, self.job.rl.samples_per_prompt,
+                                   lambda text: self.tokenizer(text)["input_ids"])
+        scoring = self.rewards.begin(step) if self.rewards is not None else None
+
+        def arrived(batch: list[dict]) -> None:
+            assembler.add_choices(batch)
+            if scoring is None:
+                assembler.add_rewards({choice_id(c): score(problems[c["prompt_index"]], c["text"]) for c in batch})
+            else:
+                scoring.submit([self.reward_item(problems, c) for c in batch],
+                               on_outcomes=lambda outcomes: assembler.add_rewards({o.id: o.score for o in outcomes}))
+
         t = time.monotonic()
         with guard.phase("rollout", step=step):
-            choices = self.rollout(problems, step, guard)
-        times["rollout_s"] = time.monotonic() - t
+            choices = self.rollout(problems, step, guard, on_choices=arrived)
+        return {"step": step, "choices": choices, "assembler": assembler, "scoring": scoring,
+                "rollout_s": time.monotonic() - t}
+
+    def _finish_step(self, flight: dict, guard) -> Experience:
+        """The rest of a step: the rewards the rollout did not hide, the last groups' advantages, stats."""
+        step, choices, assembler = flight["step"], flight["choices"], flight["assembler"]
         t = time.monotonic()
         with guard.phase("reward", step=step):
-            rewards = self.reward(problems, choices)
-        times["reward_s"] = time.monotonic() - t
+            reward_stats = {"reward_degraded": 0, "reward_degraded_ratio": 0.0, "reward_dropped": 0,
+                            "reward_restarts": 0}
+            if flight["scoring"] is not None:
+                outcomes, reward_stats = flight["scoring"].finish(guard)
+                assembler.add_rewards({o.id: o.score for o in outcomes})  # any a callback has not handed over
+        reward_s = time.monotonic() - t
         with guard.phase("advantage", step=step):
-            samples, dropped = build_samples(problems, choices, rewards, k,
-                                             lambda text: self.tokenizer(text)["input_ids"])
+            samples, dropped = assembler.samples()
+        rewards = assembler.rewards()
+        versions: dict[int, int] = {}
+        for c in choices:
+            versions[int(c["policy_version"])] = versions.get(int(c["policy_version"]), 0) + 1
         tokens = sum(len(c["token_ids"]) for c in choices)
-        versions = [int(c["policy_version"]) for c in choices]
-        stats = {**times, "reward_mean": sum(rewards) / len(rewards), "samples": len(choices),
-                 "effective_samples": len(samples), "zero_variance_groups": dropped,
-                 "generated_tokens": tokens, "tokens_per_s": tokens / max(times["rollout_s"], 1e-9),
-                 "staleness_max": max(version - v for v in versions), "reward_degraded_ratio": 0.0}
-        return Experience(samples, stats)
+        scored = [r for r in rewards if r is not None]
+        stats = {"rollout_s": flight["rollout_s"], "reward_s": reward_s,
+                 "reward_mean": sum(scored) / max(len(scored), 1), "samples": len(choices),
+                 "effective_samples": len(samples), "zero_variance_groups": dropped, "generated_tokens": tokens,
+                 "tokens_per_s": tokens / max(flight["rollout_s"], 1e-9), **reward_stats}
+        return Experience(samples, stats, versions)
 
     def evaluate(self) -> float:
         """Greedy held-out accuracy of the policy the engines serve now."""
@@ -382,7 +533,11 @@ def run(job: JobConfig, run_dir: str | Path) -> int:
             model_dir = initial_model_dir(job, run_, topo)
             policy = Policy(job, topo, model_dir)
             controller = Controller(job, run_, model_dir, load_hf(model_dir)[1]) if topo.is_main else None
-            return _loop(job, run_, topo, gate, guard, policy, controller)
+            code = _loop(job, run_, topo, gate, guard, policy, controller)
+            # Leave together (done or drained): a rank tearing gloo down while a peer still talks to
+            # the store that rank 0 hosts aborted with "terminate called without an active exception".
+            dist.barrier()
+            return code
     finally:
         if controller is not None:
             controller.close()
@@ -407,6 +562,35 @@ def _start(job, run, topo, policy) -> tuple[int, int, dict, bool]:
     return int(state["step"]), int(state["policy_version"]), state, True
 
 
+def _stopped_by_slurm(gate: DrainGate, grace_s: float = 2.0) -> bool:
+    """Whether an engine call just failed because SLURM stops the whole job (requeue, preemption,
+    cancel): then our own SIGTERM comes too, within grace_s, since each node's slurmstepd signals its
+    tasks on its own clock. The step in flight is given up and the drain at the boundary checkpoints."""
+    deadline = time.monotonic() + grace_s
+    while gate.signal_name != "SIGTERM" and time.monotonic() < deadline:
+        time.sleep(0.05)  # the handler runs in this (main) thread, between two sleeps
+    return gate.signal_name == "SIGTERM"
+
+
+def _drain(job, run, topo, gate, controller, *, step, save, cost_s, time_left_s) -> int:
+    """Every role drains at the step the trainer ranks agreed on: the engines stop taking prompts and
+    finish what is in flight, the trainer checkpoints, the leader requeues the whole het job."""
+    reason, signal_name = agreed_reason(gate, topo.world_size)
+    if controller is not None:
+        if signal_name == "SIGTERM":
+            # SLURM sent SIGTERM to every step, the engines' too: they are stopping already, and
+            # KillWait is for the checkpoint.
+            events.emit(run, "engines_drained", role="controller", engines={}, reason="stopped by SLURM (SIGTERM)")
+        else:
+            controller.engines.drain(job.sync.timeout_s)
+    code = lifecycle.finish_drain(run, step=step, reason=reason or "drain requested by a peer rank",
+                                  signal_name=signal_name, save=save, cost_s=cost_s, time_left_s=time_left_s,
+                                  is_leader=topo.is_main)
+    if topo.is_main and code == ExitCode.DRAINED:
+        gate.consume_control_file()  # else the requeued job would drain again at its first step
+    return code
+
+
 def _loop(job, run, topo, gate, guard, policy, controller) -> int:
     step, version, rl_state, proceed = _start(job, run, topo, policy)
     if not proceed:
@@ -422,19 +606,23 @@ def _loop(job, run, topo, gate, guard, policy, controller) -> int:
             rl_state["eval_history"] = [[step, controller.evaluate()]]
             events.emit(run, "eval", step=step, held_out_accuracy=rl_state["eval_history"][-1][1])
     last_saved = step if step else None
+    first_step = True
     while True:
-        box = [float(gate.check()), float(topo.is_main and interval.due(step))]
-        flags = torch.tensor(box)
+        # Step boundary: every rank must agree to drain / save, so they stop at the same step; the least
+        # KillWait left over the ranks (after a SIGTERM) decides whether the drain checkpoint still fits.
+        left = gate.kill_wait_left_s() if gate.check() else None
+        flags = torch.tensor([float(gate.requested), -(left if left is not None else math.inf),
+                              float(topo.is_main and interval.due(step))])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         if flags[0] > 0:
             def do_save():
                 if last_saved != step:
                     save(run, job, topo, policy, step, version, rl_state)
                 return f"step-{step:08d}"
-            return lifecycle.finish_drain(run, step=step, reason=gate.reason or "drain requested by a peer rank",
-                                          signal_name=gate.signal_name, save=do_save, cost_s=interval.cost_s,
-                                          time_left_s=gate.kill_wait_left_s(), is_leader=topo.is_main)
-        if flags[1] > 0 and last_saved != step:
+            time_left = None if math.isinf(flags[1]) else -flags[1].item()
+            return _drain(job, run, topo, gate, controller, step=step, save=do_save, cost_s=interval.cost_s,
+                          time_left_s=time_left)
+        if flags[2] > 0 and last_saved != step:
             with guard.phase("checkpoint", step=step):
                 interval.observe_save(step, save(run, job, topo, policy, step, version, rl_state))
             last_saved = step
@@ -443,10 +631,17 @@ def _loop(job, run, topo, gate, guard, policy, controller) -> int:
         started = time.monotonic()
         box = [None]
         if controller is not None:
-            box = [controller.experience(step, version, guard)]
+            try:
+                box = [controller.experience(step, version, guard)]
+            except RlslurmError as e:
+                if not _stopped_by_slurm(gate):
+                    raise
+                events.emit(run, "step_abandoned", step=step, reason=f"SLURM stops the job and its engines: {e}")
         with guard.phase("wait_experience", step=step):
             dist.broadcast_object_list(box, src=0)
-        exp: Experience = box[0]
+        exp: Experience | None = box[0]
+        if exp is None:
+            continue  # to the step boundary, where every rank drains at `step` (rank 0's flag reaches them)
         t = time.monotonic()
         with guard.phase("train", step=step):
             share = exp.samples[topo.rank::topo.world_size]
@@ -457,24 +652,38 @@ def _loop(job, run, topo, gate, guard, policy, controller) -> int:
         if controller is not None:
             t = time.monotonic()
             with guard.phase("sync", step=step):
-                report = controller.sync.sync(policy.weights(), version=version)
+                try:
+                    sync_metrics = controller.sync.sync(policy.weights(), version=version).metrics()
+                except RlslurmError as e:
+                    if not _stopped_by_slurm(gate):
+                        raise
+                    # The trained step stands: the drain checkpoint holds it, and the resumed job's first
+                    # sync puts these weights into its new engines.
+                    events.emit(run, "sync_skipped", step=step, reason=f"SLURM stops the job and its engines: {e}")
+                    sync_metrics = {"sync_skipped": True}
             sync_s = time.monotonic() - t
-            record = {"t": time.time(), "step": step, "policy_version": version, **exp.stats,
-                      "train_s": train_s, "sync_s": sync_s, **stats, **report.metrics()}
+            record = {"t": time.time(), "step": step, "policy_version": version,
+                      "restart_count": lifecycle.restart_count(), **exp.stats,
+                      "train_s": train_s, "sync_s": sync_s, **stats, **sync_metrics}
             total = exp.stats["rollout_s"] + exp.stats["reward_s"] + train_s + sync_s
             record["step_s"] = time.monotonic() - started
             for phase in ("rollout", "reward", "train", "sync"):
                 record[f"{phase}_share"] = record[f"{phase}_s"] / total if total else 0.0
             record["effective_samples_per_s"] = exp.stats["effective_samples"] / record["step_s"]
-            if step % job.rl.eval_every == 0 or step == job.train.steps:
+            if (step % job.rl.eval_every == 0 or step == job.train.steps) and "sync_skipped" not in sync_metrics:
                 acc = controller.evaluate()
                 record["held_out_accuracy"] = acc
                 rl_state.setdefault("eval_history", []).append([step, acc])
             run.append_json(run.metrics, record)
+            if first_step:  # requeue -> training again is measured up to here
+                since = time.time() - psutil.Process().create_time()
+                events.emit(run, "first_step", step=step, policy_version=version,
+                            since_process_start_s=round(since, 3))
             log.info("step %d v%d reward %.3f eff %d/%d rollout %.2fs train %.2fs sync %.2fs%s", step, version,
                      exp.stats["reward_mean"], exp.stats["effective_samples"], exp.stats["samples"],
                      exp.stats["rollout_s"], train_s, sync_s,
                      f" acc {record['held_out_accuracy']:.3f}" if "held_out_accuracy" in record else "")
+        first_step = False
         interval.observe_step(time.monotonic() - started)
     if last_saved != step:
         save(run, job, topo, policy, step, version, rl_state)
@@ -488,10 +697,24 @@ def _loop(job, run, topo, gate, guard, policy, controller) -> int:
 # -- the other components on SLURM ------------------------------------------------------------------
 
 def run_engine(job: JobConfig, run_dir: str | Path) -> int:
-    """One rollout engine server of the rollout het component; announces its URL in <run>/endpoints/."""
+    """One rollout engine server of the rollout het component; announces its URL in <run>/endpoints/.
+
+    Lifecycle: it serves until the trainer's rank 0 stops the component (SIGTERM to its tasks, see
+    hetjob.ComponentStep.stop) or SLURM ends the job (requeue, cancel: SIGTERM too); either way uvicorn
+    finishes the requests in flight and the engine exits 0. A drain reaches it as the controller's
+    /admin/drain (Engines.drain), not as a signal of its own.
+    """
     from rlslurm.dist import node_address
     from rlslurm.rollout import server
 
+    # `scancel -s USR1` and --signal=USR1@N reach every step, this one too; USR1's default action would
+    # kill the engine while the trainer still finishes its step. The trainer ranks agree on the drain
+    # step and the controller drains the engines then.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    # uvicorn shuts down gracefully on SIGTERM (in-flight requests finish), then raises the signal again
+    # under the handler found at its start: this one makes that an exit 0, so srun and SLURM see a
+    # clean end of the component (a SIGTERM while it waits for the model ends it cleanly too).
+    signal.signal(signal.SIGTERM, _exit_cleanly)
     run_ = RunDir(Path(run_dir))
     rank = int(os.environ.get("SLURM_PROCID", "0"))
     write_fingerprint(run_, "rollout", rank)
@@ -506,13 +729,53 @@ def run_engine(job: JobConfig, run_dir: str | Path) -> int:
     folder = run_.path / "endpoints"
     folder.mkdir(exist_ok=True)
     tmp = folder / f".engine-{rank}.json.tmp"
-    tmp.write_text(json.dumps({"url": f"http://{host}:{port}", "node": node, "pid": os.getpid()}))
+    # job id and restart count: the controller of a requeued job must not take the previous start's URL.
+    tmp.write_text(json.dumps({"url": f"http://{host}:{port}", "node": node, "pid": os.getpid(),
+                               "job_id": lifecycle.leader_job_id(), "restart_count": lifecycle.restart_count()}))
     os.replace(tmp, folder / f"engine-{rank}.json")
     bind = "127.0.0.1" if host.startswith("127.") else "0.0.0.0"
-    server.main(["--model", str(model_dir), "--host", bind, "--port", str(port), "--threads", "1"])
+    try:
+        server.main(["--model", str(model_dir), "--host", bind, "--port", str(port), "--threads", "1"])
+    except SystemExit as e:
+        if e.code not in (0, None):
+            raise
+    log.info("engine %d on %s stopped: exiting 0", rank, node)
     return 0
 
 
+def _exit_cleanly(signum, frame) -> None:
+    raise SystemExit(0)
+
+
 def run_reward(job: JobConfig, run_dir: str | Path) -> int:
-    """The reward het component: the reward service of rlslurm/reward/service.py."""
-    raise RlslurmError("reward.service = 'component' is not wired into the RL job yet; use reward.service: inline")
+    """The reward het component: the supervised reward service (rlslurm/reward/) on this node, announced
+    in <run>/endpoints/reward.json for the controller.
+
+    Lifecycle: it serves until the trainer's rank 0 stops the component (SIGTERM through srun), or raises
+    RewardServiceError once its supervisor gave up (past reward.max_restarts); the supervisor's events
+    reach the controller through the run directory, so its steps count the restarts.
+    """
+    import threading
+
+    from rlslurm.dist import node_address
+    from rlslurm.errors import RewardServiceError
+    from rlslurm.reward.session import announce
+    from rlslurm.reward.supervisor import RewardSupervisor
+
+    # USR1 (`scancel -s USR1`, --signal=USR1@N) reaches this step too: nothing here to drain, and its
+    # default action would kill the service while the trainer still finishes its step.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    run_ = RunDir(Path(run_dir))
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    host = node_address(node)
+    bind = "127.0.0.1" if host.startswith("127.") else "0.0.0.0"
+    with RewardSupervisor(reward_config(job), run=run_, bind=bind, diag=job.diag) as sup:
+        announce(run_, f"http://{host}:{sup.port}", node)
+        log.info("reward service on %s:%d (bound to %s), supervised", host, sup.port, bind)
+        while not stop.wait(1.0):
+            if sup.failed.is_set():
+                raise RewardServiceError(f"the reward service on {node} failed past reward.max_restarts = "
+                                         f"{job.reward.max_restarts}; see {run_.logs}/reward-service.log")
+    return 0

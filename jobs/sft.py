@@ -13,8 +13,13 @@ fixed by train.seed, then rank 0 writes <run>/export/hf (config.json, model.safe
 generation_config.json, tokenizer files) atomically — the directory an RL job's `train.init_from` names
 and a vLLM engine loads — and records the greedy held-out accuracy in <run>/metrics.jsonl.
 
-Everything a resume needs (model, optimizer, schedule, RNG, step; the data position follows from the
-step) is in `SFTState`, whose state_dict() a checkpoint saves.
+Stop and come back like every entrance (rlslurm/lifecycle.py): checkpoints every `checkpoint.*`
+interval through rlslurm/checkpoint.py; on a drain (SIGUSR1, SIGTERM, <run>/control/drain) all ranks
+stop at one step boundary, checkpoint, requeue and exit 75; a start resumes from the newest complete
+checkpoint. Everything a resume needs (model, optimizer, schedule, every rank's RNG, step; the data
+position follows from the step) is in `SFTState`, so a resumed run ends with the same losses and weights
+as one that never stopped. The phase guard (diag/guard.py) wraps every phase: start, data, train,
+checkpoint, export.
 """
 
 from __future__ import annotations
@@ -32,11 +37,16 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from rlslurm import lifecycle
+from rlslurm.checkpoint import Checkpoint, CheckpointWriter, IntervalPolicy, latest_complete, step_dirname
 from rlslurm.config import JobConfig, load_config
+from rlslurm.diag.drain_gate import DrainGate, agreed_reason
+from rlslurm.diag.guard import PhaseGuard
 from rlslurm.dist import Topology, init_process_group
-from rlslurm.errors import ConfigError, RlslurmError
+from rlslurm.errors import CheckpointError, ConfigError, RlslurmError
 from rlslurm.evaluate import greedy_accuracy
 from rlslurm.events import emit
+from rlslurm.lifecycle import ExitCode
 from rlslurm.rundir import RunDir
 from rlslurm.tasks.arithmetic import Problem, make_splits
 from rlslurm.tinymodel import build_model, load_hf, save_hf
@@ -108,16 +118,49 @@ class SFTState:
     step: int = 0
     """Optimizer steps done; also the data position (see batch_indices)."""
 
-    def state_dict(self) -> dict:
-        return {"model": self.model.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "step": self.step, "rng": torch.get_rng_state()}
+    def save(self, run: RunDir, topo: Topology, keep: int) -> float:
+        """Collective: every rank's RNG is gathered, rank 0 writes; the save's seconds on every rank."""
+        rngs: list = [None] * topo.world_size
+        dist.all_gather_object(rngs, torch.get_rng_state())
+        seconds = [0.0]
+        if topo.is_main:
+            with CheckpointWriter(run, self.step, keep=keep,
+                                  metadata={"job": "sft", "world_size": topo.world_size}) as ckpt:
+                ckpt.save_tensors("model", _unique_tensors(self.model.module))
+                ckpt.save_state("optimizer", self.optimizer.state_dict())
+                ckpt.save_state("scheduler", self.scheduler.state_dict())
+                ckpt.save_state("rng", rngs)
+                ckpt.save_json("trainer", {"step": self.step})
+            seconds = [ckpt.saved.seconds]
+        dist.broadcast_object_list(seconds, src=0)
+        return seconds[0]
 
-    def load_state_dict(self, state: dict) -> None:
-        self.model.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.step = int(state["step"])
-        torch.set_rng_state(state["rng"])
+    def load(self, ckpt: Checkpoint, topo: Topology) -> None:
+        """Every rank reads the checkpoint (shared filesystem) and takes its own RNG stream back."""
+        tensors = ckpt.load_tensors("model")
+        missing, unexpected = self.model.module.load_state_dict(tensors, strict=False)
+        tied = set(self.model.module.state_dict()) - set(_unique_tensors(self.model.module))
+        if unexpected or set(missing) - tied:
+            raise CheckpointError(f"{ckpt.path}: model tensors do not fit this model (missing "
+                                  f"{sorted(set(missing) - tied)}, unexpected {sorted(unexpected)})")
+        self.optimizer.load_state_dict(ckpt.load_state("optimizer"))
+        self.scheduler.load_state_dict(ckpt.load_state("scheduler"))
+        rngs = ckpt.load_state("rng")
+        if len(rngs) != topo.world_size:
+            raise CheckpointError(f"{ckpt.path} holds the RNG of {len(rngs)} ranks, this job has {topo.world_size}")
+        torch.set_rng_state(rngs[topo.rank])
+        self.step = int(ckpt.load_json("trainer")["step"])
+
+
+def _unique_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict with a tied tensor once, under its first name: safetensors refuses shared storage
+    (tied embeddings: `lm_head.weight` is `model.embed_tokens.weight`), and loading it fills both."""
+    out, seen = {}, set()
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            out[name] = tensor
+    return out
 
 
 def weights_sha256(model: torch.nn.Module) -> str:
@@ -142,11 +185,14 @@ def build_state(job: JobConfig, topo: Topology) -> SFTState:
     return SFTState(model=ddp, optimizer=optimizer, scheduler=scheduler)
 
 
-def train_step(state: SFTState, batch: dict[str, torch.Tensor], grad_clip: float) -> tuple[float, float]:
-    """One optimizer step; returns (loss averaged over ranks, gradient norm before clipping)."""
+def train_step(state: SFTState, batch: dict[str, torch.Tensor], grad_clip: float,
+               beat=lambda: None) -> tuple[float, float]:
+    """One optimizer step; returns (loss averaged over ranks, gradient norm before clipping).
+    `beat` is the phase guard's progress call, made from inside the step."""
     loss = state.model(**batch).loss
     state.optimizer.zero_grad(set_to_none=True)
     loss.backward()
+    beat()
     params = state.model.parameters()
     norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
     state.optimizer.step()
@@ -157,8 +203,12 @@ def train_step(state: SFTState, batch: dict[str, torch.Tensor], grad_clip: float
     return reported.item() / dist.get_world_size(), float(norm)
 
 
-def run_sft(job: JobConfig, run_dir: Path) -> dict:
-    """Train, export and evaluate as one rank of the SFT job; returns this rank's summary."""
+def run_sft(job: JobConfig, run_dir: Path, *, requeue=lifecycle.requeue_job) -> dict:
+    """Train (or resume), export and evaluate as one rank of the SFT job; returns this rank's summary.
+
+    `summary["exit_code"]` is the lifecycle code: DONE, DRAINED (checkpointed and requeued; run again to
+    resume) or NO_PROGRESS (the requeue-storm guard stopped it).
+    """
     started = time.time()
     run = RunDir(Path(run_dir)).create()
     topo = Topology.detect()
@@ -167,38 +217,109 @@ def run_sft(job: JobConfig, run_dir: Path) -> dict:
         raise ConfigError(f"train.batch_size = {train.batch_size} must be divisible by the "
                           f"{topo.world_size} data-parallel ranks of this job")
     _set_cpu_threads(topo)
-    init_process_group(topo, timeout_s=train.dist_timeout_s)
+    gate = DrainGate(run, poll_interval_s=0.5, kill_wait_s=job.checkpoint.kill_wait_s)
+    gate.install_signal_handlers()
     try:
-        tokenizer = build_tokenizer()
-        train_set, held_out = make_splits(job.task)
-        examples = [encode(tokenizer, p) for p in train_set]
-        longest = max(len(ids) for ids, _ in examples) + job.rollout.max_new_tokens
-        if longest > job.model.max_positions:
-            raise ConfigError(f"model.max_positions = {job.model.max_positions} is shorter than a prompt plus "
-                              f"rollout.max_new_tokens = {job.rollout.max_new_tokens} ({longest} tokens)")
-        torch.manual_seed(train.seed + topo.rank)
-        state = build_state(job, topo)
-        emit(run, "sft_start", role="trainer", rank=topo.rank, world_size=topo.world_size,
-             steps=train.steps, params=sum(p.numel() for p in state.model.parameters()))
-        while state.step < train.steps:
-            t0 = time.perf_counter()
-            idx = batch_indices(len(examples), train.batch_size, train.seed, state.step, topo.rank, topo.world_size)
-            lr = state.scheduler.get_last_lr()[0]
-            loss, grad_norm = train_step(state, collate([examples[i] for i in idx]), train.grad_clip)
-            if topo.is_main:
-                run.append_json(run.metrics, {"t": time.time(), "kind": "sft_step", "step": state.step,
-                                              "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                                              "step_s": time.perf_counter() - t0})
-        checksum = weights_sha256(state.model)
-        summary = {"rank": topo.rank, "step": state.step, "weights_sha256": checksum}
-        if topo.is_main:
-            summary.update(_export_and_evaluate(job, run, state, tokenizer, held_out, started))
-        # Peers wait for the export so that every rank leaves only once the job's output exists.
-        dist.barrier()
-        emit(run, "sft_finished", role="trainer", **summary)
+        # Guarded from before the rendezvous: a rank that never joins shows up stuck in phase "start".
+        with PhaseGuard(run, "train", topo.rank, job.diag, gate=gate, job_id=lifecycle.leader_job_id()) as guard:
+            init_process_group(topo, timeout_s=train.dist_timeout_s)
+            try:
+                summary = _train(job, run, topo, gate, guard, started, requeue)
+                # Leave together: every rank exits only once the job's output (export, checkpoint) exists.
+                dist.barrier()
+            finally:
+                dist.destroy_process_group()
         return summary
     finally:
-        dist.destroy_process_group()
+        gate.restore_signal_handlers()
+
+
+def _choose_start(run: RunDir, job: JobConfig, topo: Topology) -> tuple[str | None, bool]:
+    """Rank 0 picks the newest complete checkpoint and runs the start guard; every rank learns (path, go)."""
+    box: list = [None, True]
+    if topo.is_main:
+        ckpt = latest_complete(run)
+        decision = lifecycle.on_start(run, lifecycle.restart_count(), step=ckpt.step if ckpt else 0,
+                                      checkpoint=ckpt.name if ckpt else None,
+                                      max_no_progress_restarts=job.checkpoint.max_no_progress_restarts)
+        box = [str(ckpt.path) if ckpt else None, decision.proceed]
+    dist.broadcast_object_list(box, src=0)
+    return box[0], box[1]
+
+
+def _train(job: JobConfig, run: RunDir, topo: Topology, gate: DrainGate, guard: PhaseGuard, started: float,
+           requeue) -> dict:
+    train = job.train
+    tokenizer = build_tokenizer()
+    train_set, held_out = make_splits(job.task)
+    examples = [encode(tokenizer, p) for p in train_set]
+    longest = max(len(ids) for ids, _ in examples) + job.rollout.max_new_tokens
+    if longest > job.model.max_positions:
+        raise ConfigError(f"model.max_positions = {job.model.max_positions} is shorter than a prompt plus "
+                          f"rollout.max_new_tokens = {job.rollout.max_new_tokens} ({longest} tokens)")
+    torch.manual_seed(train.seed + topo.rank)
+    state = build_state(job, topo)
+    path, proceed = _choose_start(run, job, topo)
+    if not proceed:
+        return {"rank": topo.rank, "step": None, "exit_code": ExitCode.NO_PROGRESS}
+    if path:
+        state.load(Checkpoint.open(Path(path), verify=False), topo)  # rank 0 verified it in latest_complete
+    emit(run, "sft_start", role="trainer", rank=topo.rank, world_size=topo.world_size, steps=train.steps,
+         start_step=state.step, params=sum(p.numel() for p in state.model.parameters()))
+    time_limit_s = job.cluster.time_limit_min * 60.0 if os.environ.get("SLURM_JOB_ID") else None
+    policy = IntervalPolicy(job.checkpoint, time_limit_s=time_limit_s, start_step=state.step)
+    last_saved = state.step if path else None
+
+    def save() -> str:
+        nonlocal last_saved
+        if last_saved != state.step:
+            with guard.phase("checkpoint", step=state.step):
+                policy.observe_save(state.step, state.save(run, topo, job.checkpoint.keep))
+            last_saved = state.step
+        return step_dirname(state.step)
+
+    while True:
+        # Step boundary: every rank must agree to drain or save, so that they stop at the same step.
+        left = gate.kill_wait_left_s() if gate.check() else None
+        flags = torch.tensor([float(gate.requested), -(left if left is not None else math.inf),
+                              float(topo.is_main and policy.due(state.step))])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if flags[0] > 0:
+            reason, signal_name = agreed_reason(gate, topo.world_size)
+            code = lifecycle.finish_drain(run, step=state.step, reason=reason, signal_name=signal_name, save=save,
+                                          cost_s=policy.cost_s,
+                                          time_left_s=None if math.isinf(flags[1]) else -flags[1].item(),
+                                          is_leader=topo.is_main, requeue=requeue)
+            if topo.is_main and code == ExitCode.DRAINED:
+                gate.consume_control_file()
+            return {"rank": topo.rank, "step": state.step, "exit_code": code}
+        if flags[2] > 0:
+            save()
+        if state.step >= train.steps:
+            break
+        t0 = time.perf_counter()
+        with guard.phase("data", step=state.step + 1):
+            idx = batch_indices(len(examples), train.batch_size, train.seed, state.step, topo.rank, topo.world_size)
+            batch = collate([examples[i] for i in idx])
+        lr = state.scheduler.get_last_lr()[0]
+        with guard.phase("train", step=state.step + 1):
+            loss, grad_norm = train_step(state, batch, train.grad_clip, beat=guard.beat)
+        step_s = time.perf_counter() - t0
+        policy.observe_step(step_s)
+        if topo.is_main:
+            run.append_json(run.metrics, {"t": time.time(), "kind": "sft_step", "step": state.step,
+                                          "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_s": step_s})
+    # The trained state, checkpointed before the export: a restart after this point only re-exports.
+    save()
+    checksum = weights_sha256(state.model)
+    summary = {"rank": topo.rank, "step": state.step, "weights_sha256": checksum}
+    with guard.phase("export", step=state.step):
+        if topo.is_main:
+            summary.update(_export_and_evaluate(job, run, state, tokenizer, held_out, started))
+        # Peers wait for the export so that no rank reports finished before the job's output exists.
+        dist.barrier()
+    emit(run, "sft_finished", role="trainer", **summary)
+    return {**summary, "exit_code": ExitCode.DONE}
 
 
 def _export_and_evaluate(job, run, state, tokenizer, held_out, started) -> dict:
@@ -233,6 +354,7 @@ def main(config_path: str, run_dir: str) -> None:
         click.echo(f"rlslurm sft: {e}", err=True)
         sys.exit(e.exit_code)
     click.echo(" ".join(f"{k}={v}" for k, v in summary.items()))
+    sys.exit(int(summary["exit_code"]))
 
 
 if __name__ == "__main__":

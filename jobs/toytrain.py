@@ -10,6 +10,12 @@ or SLURM_*, see rlslurm/dist.py). A tiny MLP fits a fixed synthetic regression s
 batch with torch's RNG and adds numpy noise, so a resume is exact only if model, optimizer, every rank's
 RNG states and the data position all come back. Rank 0 writes the per-step loss and, at the end, the
 weights' sha256 to metrics.jsonl: an interrupted run must end with the same numbers as one that was not.
+
+It wears the operations kit like every entrance: a PhaseGuard (diag/guard.py) from before the
+rendezvous ("start") through "data", "train" and "checkpoint" phases, beating from inside the step, so
+the node agent (diag/watchdog.py) sees a wedged rank. A phase's `step` is the step it produces, the
+number metrics.jsonl gives that step's loss (1-based). Faults for the operations tests come from the
+environment (`Faults`): a rank that stalls, a rank that raises, a job that echoes secrets to its log.
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from rlslurm.diag.drain_gate import DrainGate
+from rlslurm.diag.drain_gate import DrainGate, agreed_reason
+from rlslurm.diag.guard import PhaseGuard
 from rlslurm import events, lifecycle
 from rlslurm.checkpoint import Checkpoint, CheckpointWriter, IntervalPolicy, latest_complete, step_dirname
 from rlslurm.config import JobConfig, load_config
@@ -44,6 +51,56 @@ from rlslurm.rundir import RunDir
 SAMPLES, FEATURES, HIDDEN = 256, 8, 32
 EXIT_AT_STEP_ENV = "RLSLURM_TEST_EXIT_AT_STEP"
 """Test hook: rank 0 SIGKILLs itself after this step, a node failure that leaves no checkpoint behind."""
+STALL_ENV = "RLSLURM_TEST_STALL"
+"""Test hook: `RANK@STEP[:sleep|spin]`: that rank stalls in the data phase of STEP while its peers wait in
+the step's all_reduce; sleep = in C (time.sleep), spin = a pure-Python loop. First start only (restart
+count 0): the requeued start must run through, or a hang test would hang forever."""
+FAIL_ENV = "RLSLURM_TEST_FAIL_AT_STEP"
+"""Test hook: rank 0 raises RuntimeError in the train phase of this step, on every start (a failed job)."""
+ECHO_ENV = "RLSLURM_TEST_ECHO_ENV"
+"""Test hook: comma-separated variable names rank 0 prints as NAME=value at start, like a batch script's
+`env` or a chatty library: the secrets a diag bundle must redact from the logs."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Faults:
+    """The faults this rank was asked to inject (from the environment; see the *_ENV hooks above)."""
+
+    stall_step: int | None = None
+    stall_mode: str = "sleep"
+    fail_step: int | None = None
+    echo: tuple[str, ...] = ()
+
+    @classmethod
+    def from_env(cls, rank: int, restarts: int, env=os.environ) -> "Faults":
+        stall_step, mode = None, "sleep"
+        spec = env.get(STALL_ENV, "")
+        if spec and restarts == 0:
+            who, _, rest = spec.partition("@")
+            step, _, mode = rest.partition(":")
+            mode = mode or "sleep"
+            if mode not in ("sleep", "spin") or not who.isdigit() or not step.isdigit():
+                raise ValueError(f"{STALL_ENV}={spec!r} must look like RANK@STEP[:sleep|spin]")
+            stall_step = int(step) if int(who) == rank else None
+        fail = env.get(FAIL_ENV)
+        return cls(stall_step=stall_step, stall_mode=mode,
+                   fail_step=int(fail) if fail and rank == 0 else None,
+                   echo=tuple(n for n in env.get(ECHO_ENV, "").split(",") if n) if rank == 0 else ())
+
+    def stall(self, run: RunDir, step: int) -> None:
+        if step != self.stall_step:
+            return
+        events.emit(run, "fault_injected", fault="stall", step=step, mode=self.stall_mode)
+        print(f"{STALL_ENV}: stalling in the data phase of step {step} ({self.stall_mode})", flush=True)
+        until = time.monotonic() + 3600
+        if self.stall_mode == "sleep":
+            time.sleep(3600)  # in C: a data loader blocked in a read that never returns
+        while time.monotonic() < until:  # spin: busy in Python bytecode, the stack shows this very frame
+            pass
+
+    def fail(self, step: int) -> None:
+        if step == self.fail_step:
+            raise RuntimeError(f"toy fault: rank 0 raises in the train phase of step {step} ({FAIL_ENV})")
 
 
 def _dataset(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,15 +146,22 @@ class ToyTrainer:
         np.random.seed(rank_seed)
         random.seed(rank_seed)
 
-    def step(self) -> float:
+    def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's next (inputs, targets): draws from the rank's torch and numpy streams."""
         idx = torch.randint(0, SAMPLES, (self.per_rank,))
         noise = torch.from_numpy(np.random.normal(0.0, 0.01, size=(self.per_rank, 1)).astype(np.float32))
-        loss = torch.nn.functional.mse_loss(self.model(self.x[idx]), self.y[idx] + noise)
+        return self.x[idx], self.y[idx] + noise
+
+    def step(self, batch: tuple[torch.Tensor, torch.Tensor], beat=lambda: None) -> float:
+        """One optimizer step (DDP all-reduces the gradients inside backward); the loss averaged over ranks."""
+        loss = torch.nn.functional.mse_loss(self.model(batch[0]), batch[1])
         self.optimizer.zero_grad()
         loss.backward()
+        beat()
         self.optimizer.step()
         mean = loss.detach().clone()
         dist.all_reduce(mean)
+        beat()
         return mean.item() / self.topo.world_size
 
     def save(self, step: int) -> float:
@@ -140,15 +204,6 @@ def _choose_start(run: RunDir, cfg: JobConfig, topo: Topology, restarts: int) ->
     return box[0], box[1]
 
 
-def _agree_on_reason(gate: DrainGate, topo: Topology) -> tuple[str, str | None]:
-    """Why the ranks drain, as the leader reports it: the first rank's reason; SIGTERM wins (KillWait)."""
-    seen = [None] * topo.world_size
-    dist.all_gather_object(seen, (gate.reason, gate.signal_name))
-    reasons = [f"rank {r}: {reason}" for r, (reason, _) in enumerate(seen) if reason]
-    signals = {name for _, name in seen if name}
-    return "; ".join(reasons), "SIGTERM" if "SIGTERM" in signals else next(iter(sorted(signals)), None)
-
-
 def train(run_dir: str | Path, cfg: JobConfig, *, step_delay_s: float = 0.0, time_limit_s: float | None = None,
           requeue=lifecycle.requeue_job) -> ExitCode:
     """Run (or resume) the toy job in this process as one rank; returns the lifecycle exit code."""
@@ -158,22 +213,29 @@ def train(run_dir: str | Path, cfg: JobConfig, *, step_delay_s: float = 0.0, tim
     torch.set_num_threads(1)
     gate = DrainGate(run, poll_interval_s=0.5, kill_wait_s=cfg.checkpoint.kill_wait_s)
     gate.install_signal_handlers()
-    init_process_group(topo)
     try:
-        code = _train(run, cfg, topo, gate, step_delay_s, time_limit_s, requeue)
-        # Leave together: a rank tearing gloo down while its peer still talks to the store (hosted by
-        # rank 0) aborted with "terminate called without an active exception".
-        dist.barrier()
+        # Guarded from before the rendezvous: a rank that never joins shows up stuck in phase "start".
+        with PhaseGuard(run, "train", topo.rank, cfg.diag, gate=gate, job_id=lifecycle.leader_job_id()) as guard:
+            init_process_group(topo)
+            try:
+                code = _train(run, cfg, topo, gate, guard, step_delay_s, time_limit_s, requeue)
+                # Leave together: a rank tearing gloo down while its peer still talks to the store (hosted
+                # by rank 0) aborted with "terminate called without an active exception".
+                dist.barrier()
+            finally:
+                dist.destroy_process_group()
         return code
     finally:
         gate.restore_signal_handlers()
-        dist.destroy_process_group()
 
 
-def _train(run, cfg, topo, gate, step_delay_s, time_limit_s, requeue) -> ExitCode:
+def _train(run, cfg, topo, gate, guard, step_delay_s, time_limit_s, requeue) -> ExitCode:
     if topo.is_main and not run.config.exists():
         run.config.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     restarts = lifecycle.restart_count()
+    faults = Faults.from_env(topo.rank, restarts)
+    for name in faults.echo:
+        print(f"{name}={os.environ.get(name, '')}", flush=True)
     if time_limit_s is None and os.environ.get("SLURM_JOB_ID"):
         time_limit_s = cfg.cluster.time_limit_min * 60.0
     trainer = ToyTrainer(run, cfg, topo)
@@ -189,7 +251,8 @@ def _train(run, cfg, topo, gate, step_delay_s, time_limit_s, requeue) -> ExitCod
     def save(at: int) -> str:
         nonlocal last_saved
         if last_saved != at:
-            policy.observe_save(at, trainer.save(at))
+            with guard.phase("checkpoint", step=at):
+                policy.observe_save(at, trainer.save(at))
             last_saved = at
         return step_dirname(at)
 
@@ -201,7 +264,7 @@ def _train(run, cfg, topo, gate, step_delay_s, time_limit_s, requeue) -> ExitCod
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         if flags[0] > 0:
             time_left = None if math.isinf(flags[1]) else -flags[1].item()
-            reason, signal_name = _agree_on_reason(gate, topo)
+            reason, signal_name = agreed_reason(gate, topo.world_size)
             code = lifecycle.finish_drain(run, step=step, reason=reason,
                                           signal_name=signal_name, save=lambda: save(step), cost_s=policy.cost_s,
                                           time_left_s=time_left, is_leader=topo.is_main, requeue=requeue)
@@ -213,7 +276,12 @@ def _train(run, cfg, topo, gate, step_delay_s, time_limit_s, requeue) -> ExitCod
         if step >= cfg.train.steps:
             break
         started = time.monotonic()
-        loss = trainer.step()
+        with guard.phase("data", step=step + 1):
+            batch = trainer.batch()
+            faults.stall(run, step + 1)
+        with guard.phase("train", step=step + 1):
+            faults.fail(step + 1)
+            loss = trainer.step(batch, beat=guard.beat)
         step += 1
         policy.observe_step(time.monotonic() - started)
         if topo.is_main:
@@ -225,7 +293,8 @@ def _train(run, cfg, topo, gate, step_delay_s, time_limit_s, requeue) -> ExitCod
         if step == exit_at and topo.is_main:
             os.kill(os.getpid(), signal.SIGKILL)
         if step_delay_s:
-            pause.wait(step_delay_s)  # stands in for real compute, so tests can signal mid-run
+            with guard.phase("train", step=step):
+                pause.wait(step_delay_s)  # stands in for real compute, so tests can signal mid-run
     save(step)
     if topo.is_main:
         digest = weights_sha256(trainer.module)

@@ -49,6 +49,12 @@ class SyncVerifyError(RlslurmError):
     exit_code = 6
 
 
+class StalenessError(RlslurmError):
+    """A sample reached the loss more policy versions behind the trainer than rl.max_staleness allows."""
+
+    exit_code = 1
+
+
 class HangDetectedError(RlslurmError):
     """The watchdog found a rank without progress past its phase timeout."""
 

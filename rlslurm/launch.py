@@ -3,8 +3,9 @@
 On SLURM the job is one heterogeneous job (rlslurm/slurm/hetjob.py): component 0 on the train partition
 runs the trainer ranks (rank 0 is also the controller), component 1 on the rollout partition runs the
 rollout engines, and a component 2 on `reward.partition` runs the reward service when
-`reward.service = component`. With no SLURM (or `cluster.backend: local`) the same entry function runs
-through submitit's local executor on this machine.
+`reward.service = component`. Colocated (placement.mode = colocate) it is a plain job, component 0
+alone, whose trainer rank 0 spawns the engines on its own node. With no SLURM (or `cluster.backend:
+local`) the same entry function runs through submitit's local executor on this machine.
 
 Every start of the job finds its way from the run directory alone (RLSLURM_RUN_DIR): the resolved
 config, the plan, and the checkpoints it resumes from.

@@ -8,19 +8,22 @@ venv=${1:-.venv}
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"
 
+# binary -> Debian package; util-linux gives the reward sandbox unshare, prlimit and setpriv.
 need_apt=()
-for bin in slurmctld slurmd sbatch munged; do
-  command -v "$bin" >/dev/null 2>&1 || [ -x "/usr/sbin/$bin" ] || need_apt+=("$bin")
+for pair in slurmctld:slurmctld slurmd:slurmd sbatch:slurm-client munged:munge \
+            unshare:util-linux prlimit:util-linux setpriv:util-linux; do
+  bin=${pair%%:*}
+  command -v "$bin" >/dev/null 2>&1 || [ -x "/usr/sbin/$bin" ] || [ -x "/usr/bin/$bin" ] || need_apt+=("${pair#*:}")
 done
+mapfile -t need_apt < <(printf '%s\n' "${need_apt[@]}" | sort -u | sed '/^$/d')
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then
     # No systemd here: make the packages' postinst scripts leave services alone.
     [ -e /usr/sbin/policy-rc.d ] || printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
     apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-      slurmctld slurmd slurm-client munge >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
   else
-    echo "install.sh: missing ${need_apt[*]}; run as root or: apt-get install slurmctld slurmd slurm-client munge" >&2
+    echo "install.sh: missing ${need_apt[*]}; run as root or: apt-get install ${need_apt[*]}" >&2
   fi
 fi
 

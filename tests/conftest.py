@@ -15,3 +15,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+
+
+# A skipped cluster test proves nothing, so a run that skipped one fails (issue: "make .ci/run fail if
+# they were skipped"). Deselecting them (-m "not cluster") is the explicit way to run without a cluster.
+_skipped_cluster_tests: list[str] = []
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and "cluster" in report.keywords:
+        _skipped_cluster_tests.append(report.nodeid)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _skipped_cluster_tests and exitstatus == 0:
+        names = "\n  ".join(_skipped_cluster_tests)
+        session.config.get_terminal_writer().line(
+            f"FAILED: {len(_skipped_cluster_tests)} cluster test(s) were skipped; the SLURM tests must run:\n  {names}",
+            red=True)
+        session.exitstatus = 1

@@ -1,7 +1,7 @@
 """`rlslurm diag <jobid|rundir>`: one redacted .tar.gz with everything about a run, and the likely cause.
 
     rlslurm diag runs/rl-demo            # a run directory
-    rlslurm diag 1234 --run-root runs    # a SLURM job id recorded in runs/*/jobs.jsonl
+    rlslurm diag 1234 --run-root runs    # a SLURM job id recorded in runs/*/{jobs,submissions}.jsonl
 """
 
 from __future__ import annotations

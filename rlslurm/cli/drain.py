@@ -2,7 +2,9 @@
 
     rlslurm drain runs/rl-demo --reason "node maintenance"
 
-Writes <run>/control/drain; every process's drain gate notices it at its next phase boundary.
+Writes <run>/control/drain; every process's drain gate notices it at its next phase boundary, and the
+job checkpoints, requeues itself and removes the file. The request is for the processes running now: a
+start that begins after it (a job still pending after a requeue) ignores it as stale (diag/drain_gate.py).
 """
 
 from __future__ import annotations

@@ -12,6 +12,11 @@ Items of one batch, and of all batches in flight, are scored at once up to `rewa
 (an asyncio semaphore): a 2 s judge scores 512 responses at concurrency 64 in ~16 s, not 1024 s.
 `unscored` means the scorer decided it cannot score (a judge reply without a mark); `error` means
 its upstream failed, and the client may retry. The supervisor (supervisor.py) keeps it alive.
+
+With `--run-dir` it wears the ops kit's phase guard as role `reward`, rank 0 (heartbeats/reward-0.json,
+a restarted service takes the file over): phase `score` while items are in flight, progress at every
+item and batch scored; phase `idle` otherwise, with a beat every `diag.heartbeat_interval_s` from a
+task on the service's own event loop, so an idle service looks alive and a wedged loop stops beating.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -30,6 +36,8 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel
 
 from rlslurm.configfile import load_mapping, read_yaml
+from rlslurm.diag.config import DiagConfig
+from rlslurm.diag.guard import PhaseGuard
 from rlslurm.reward.config import RewardConfig
 from rlslurm.reward.scorers import CodeScorer, Item, JudgeScorer, ScorerUnavailable, ShardedHttp, make_scorer
 
@@ -88,19 +96,62 @@ class Counters:
         return "\n".join(lines) + "\n"
 
 
-def make_app(cfg: RewardConfig) -> FastAPI:
+class Beats:
+    """The service's side of the phase guard: `score` while anything is in flight, `idle` otherwise."""
+
+    def __init__(self, guard: PhaseGuard | None):
+        self.guard = guard
+        self.busy = 0
+
+    def set_phase(self, name: str) -> None:
+        hb = self.guard.heartbeat
+        hb.update(progress=True, phase=name, phase_timeout_s=self.guard.config.timeout_for(name),
+                  phase_started=hb.clock())
+
+    def enter(self) -> None:
+        self.busy += 1
+        if self.guard is not None and self.busy == 1:
+            self.set_phase("score")
+
+    def leave(self) -> None:
+        self.busy -= 1
+        if self.guard is not None:
+            self.guard.beat()
+            if self.busy == 0:
+                self.set_phase("idle")
+
+    def item(self) -> None:
+        if self.guard is not None:
+            self.guard.beat()
+
+    async def tick(self) -> None:
+        """While idle, one beat per heartbeat interval: runs on the serving loop, so it stops when that wedges."""
+        while True:
+            await asyncio.sleep(self.guard.config.heartbeat_interval_s)
+            if self.busy == 0:
+                self.guard.beat()
+
+
+def make_app(cfg: RewardConfig, guard: PhaseGuard | None = None) -> FastAPI:
     """The service for `cfg`; the scorer and its HTTP client live as long as the app."""
     state: dict = {}
     counters = Counters()
+    beats = Beats(guard)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         http = ShardedHttp(cfg.concurrency, cfg.timeout_s)
         state["scorer"] = make_scorer(cfg, http=http)
         state["slots"] = asyncio.Semaphore(cfg.concurrency)
+        ticker = None
+        if guard is not None:
+            beats.set_phase("idle")
+            ticker = asyncio.create_task(beats.tick())
         try:
             yield
         finally:
+            if ticker is not None:
+                ticker.cancel()
             await http.aclose()
             sandbox = getattr(state["scorer"], "sandbox", None)
             if sandbox is not None:
@@ -124,6 +175,7 @@ def make_app(cfg: RewardConfig) -> FastAPI:
             finally:
                 counters.inflight -= 1
                 counters.seconds_sum += time.monotonic() - start
+                beats.item()
             counters.items[out["status"]] += 1
             return out
 
@@ -136,7 +188,11 @@ def make_app(cfg: RewardConfig) -> FastAPI:
     @app.post("/score")
     async def score(batch: Batch) -> dict:
         counters.requests += 1
-        return {"results": list(await asyncio.gather(*(score_one(i) for i in batch.items)))}
+        beats.enter()
+        try:
+            return {"results": list(await asyncio.gather(*(score_one(i) for i in batch.items)))}
+        finally:
+            beats.leave()
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> str:
@@ -154,6 +210,12 @@ def load_reward_config(path: str | Path | None, **overrides) -> RewardConfig:
     return load_mapping(RewardConfig, data, source=str(path or "<command line>"), key="reward")
 
 
+def load_diag_config(path: str | Path | None) -> DiagConfig:
+    """The `diag:` section of a job YAML (heartbeat interval, phase timeouts), or the defaults."""
+    data = dict((read_yaml(path) or {}).get("diag") or {}) if path is not None else {}
+    return load_mapping(DiagConfig, data, source=str(path or "<defaults>"), key="diag")
+
+
 @click.command()
 @click.option("--port", type=int, required=True, help="Port on 127.0.0.1.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
@@ -161,14 +223,28 @@ def load_reward_config(path: str | Path | None, **overrides) -> RewardConfig:
 @click.option("--scorer", type=click.Choice(["rule", "code", "model", "judge"]), help="Overrides reward.scorer.")
 @click.option("--endpoint", help="Overrides reward.endpoint.")
 @click.option("--concurrency", type=int, help="Overrides reward.concurrency.")
+@click.option("--run-dir", type=click.Path(file_okay=False), help="Run directory: heartbeats as role reward.")
 def main(port: int, host: str, config_path: str | None, scorer: str | None, endpoint: str | None,
-         concurrency: int | None) -> None:
+         concurrency: int | None, run_dir: str | None) -> None:
     """Serve /health, /score and /metrics until killed."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s reward-service %(levelname)s %(message)s")
     cfg = load_reward_config(config_path, scorer=scorer, endpoint=endpoint, concurrency=concurrency)
+    guard = None
+    if run_dir is not None:
+        from rlslurm.rundir import RunDir
+
+        guard = PhaseGuard(RunDir(Path(run_dir)).create(), "reward", 0, load_diag_config(config_path))
     log.info("scorer %s, concurrency %d, listening on %s:%d", cfg.scorer, cfg.concurrency, host, port)
-    # The backlog must take a whole step's burst of connections from the client at once.
-    uvicorn.run(make_app(cfg), host=host, port=port, log_level="warning", backlog=max(2048, cfg.concurrency * 4))
+    # uvicorn shuts down on SIGTERM, then raises the signal again under the handler it found: with the
+    # default one the process would die before the guard below writes its heartbeat `exited`.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        # The backlog must take a whole step's burst of connections from the client at once.
+        uvicorn.run(make_app(cfg, guard), host=host, port=port, log_level="warning",
+                    backlog=max(2048, cfg.concurrency * 4))
+    finally:
+        if guard is not None:
+            guard.close()
 
 
 if __name__ == "__main__":

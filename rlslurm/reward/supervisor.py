@@ -10,7 +10,12 @@ once and kept, so clients' retries land on the restarted process at the same URL
 ends it at once): a process that exited is restarted at once (event `reward_service_died`), one that
 fails `unhealthy_after` health checks in a row (hung, stopped) is killed and restarted (event
 `reward_service_unhealthy`); each new process writes `reward_service_restarted`. Past `max_restarts`
-it gives up (event `reward_service_gave_up`) and `failed` is set. `stop()` kills the service.
+it gives up (event `reward_service_gave_up`) and `failed` is set. `stop()` asks the service to exit
+(SIGTERM: its heartbeat ends `exited`), then kills its process group.
+
+With a run directory the service wears the phase guard (heartbeats/reward-0.json, see service.py);
+`bind` = 0.0.0.0 serves other nodes (the reward het component), while `url` stays loopback for the
+supervisor's own health checks.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import httpx
 import yaml
 
 from rlslurm.configfile import to_dict
+from rlslurm.diag.config import DiagConfig
 from rlslurm.errors import RewardServiceError
 from rlslurm.events import emit
 from rlslurm.reward.config import RewardConfig
@@ -50,10 +56,12 @@ class RewardSupervisor:
     """One supervised reward service process; see the module docstring for its lifecycle."""
 
     def __init__(self, cfg: RewardConfig, run: RunDir | None = None, log_dir: str | Path | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, bind: str = "127.0.0.1",
+                 diag: DiagConfig | None = None):
         self.cfg = cfg
         self.run = run
         self.clock = clock
+        self.bind = bind
         self.port = cfg.port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.restarts = 0  # restarts that came up healthy
@@ -65,7 +73,7 @@ class RewardSupervisor:
         self._dir = Path(log_dir) if log_dir else (run.logs if run else Path(tempfile.mkdtemp(prefix="reward-")))
         self._dir.mkdir(parents=True, exist_ok=True)
         self._config = self._dir / "reward-service.yaml"
-        self._config.write_text(yaml.safe_dump({"reward": to_dict(cfg)}))
+        self._config.write_text(yaml.safe_dump({"reward": to_dict(cfg), "diag": to_dict(diag or DiagConfig())}))
         self._http = httpx.Client(timeout=cfg.health_timeout_s)
 
     def __enter__(self) -> "RewardSupervisor":
@@ -90,6 +98,13 @@ class RewardSupervisor:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()  # uvicorn exits cleanly and the service's guard writes `exited`
+            try:
+                self.proc.wait(timeout=5)
+                os.killpg(self.proc.pid, signal.SIGKILL)  # sandboxed programs left in its process group
+            except (subprocess.TimeoutExpired, ProcessLookupError):
+                pass
         self._kill()
         self._http.close()
 
@@ -102,7 +117,10 @@ class RewardSupervisor:
     def _launch(self) -> bool:
         """Start the service and wait for /health: True once healthy, False when stop() came first."""
         out = open(self._dir / "reward-service.log", "ab")
-        argv = [sys.executable, "-m", "rlslurm.reward.service", "--port", str(self.port), "--config", str(self._config)]
+        argv = [sys.executable, "-m", "rlslurm.reward.service", "--port", str(self.port), "--host", self.bind,
+                "--config", str(self._config)]
+        if self.run is not None:
+            argv += ["--run-dir", str(self.run.path)]
         self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         out.close()
         deadline = self.clock() + self.cfg.start_timeout_s

@@ -11,6 +11,7 @@ used by the weight-sync protocol in rlslurm/sync/protocol.py.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 import httpx
+import psutil
 
 from rlslurm.errors import RlslurmError
 
@@ -110,8 +112,10 @@ class EngineClient:
         body = {"manifest": manifest, "bucket_bytes": bucket_bytes}
         return self._call("POST", "/admin/update/broadcast", timeout_s, json=body)
 
-    def update_ipc(self, manifest: list[dict], bucket_bytes: int, handles: list[dict], timeout_s: float) -> dict:
-        body = {"manifest": manifest, "bucket_bytes": bucket_bytes, "handles": handles}
+    def update_ipc(self, manifest: list[dict], bucket_bytes: int, handles: list[dict], timeout_s: float,
+                   ready: dict | None = None) -> dict:
+        body = {"manifest": manifest, "bucket_bytes": bucket_bytes, "handles": handles, "ready": ready,
+                "timeout_s": timeout_s}
         return self._call("POST", "/admin/update/ipc", timeout_s, json=body)
 
     def checksums(self, timeout_s: float | None = None) -> dict[str, str]:
@@ -133,7 +137,7 @@ class EngineClient:
 
 @dataclass
 class EngineProcess:
-    """A server process started by `spawn_engine`; `stop()` ends it (SIGTERM, then SIGKILL)."""
+    """A server process started by `spawn_engine`; `stop()` ends it and its children (SIGTERM, then SIGKILL)."""
 
     proc: subprocess.Popen
     client: EngineClient
@@ -144,6 +148,12 @@ class EngineProcess:
         return self.client.url
 
     def stop(self, timeout_s: float = 10.0) -> int | None:
+        # The vLLM engine's EngineCore and worker processes are the server's children: listed before
+        # the server goes, and killed if its own shutdown did not take them along.
+        try:
+            children = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.Error:
+            children = []
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -151,16 +161,26 @@ class EngineProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout_s)
+        _, alive = psutil.wait_procs(children, timeout=timeout_s)
+        for child in alive:
+            log.warning("engine %s: child pid %d outlived the server; killing it", self.url, child.pid)
+            with contextlib.suppress(psutil.Error):
+                child.kill()
         self.client.close()
         return self.proc.returncode
 
 
 def spawn_engine(model_dir: str | Path, *, port: int, host: str = "127.0.0.1", log_path: str | Path,
                  extra_args: list[str] | None = None, env: dict[str, str] | None = None,
-                 ready_timeout_s: float = 120.0, timeout_s: float = 120.0) -> EngineProcess:
-    """Start `python -m rlslurm.rollout.server` and wait until it answers /health."""
-    cmd = [sys.executable, "-m", "rlslurm.rollout.server", "--model", str(model_dir),
-           "--host", host, "--port", str(port), *(extra_args or [])]
+                 ready_timeout_s: float = 120.0, timeout_s: float = 120.0, engine: str = "hf",
+                 python: str | None = None) -> EngineProcess:
+    """Start `python -m rlslurm.rollout.server` and wait until it answers /health.
+
+    `engine` is rollout.engine (hf | vllm); `python` is rollout.python, the interpreter of the server
+    process (None = this one; the vLLM engine lives in its own venv, .venv-vllm).
+    """
+    cmd = [python or sys.executable, "-m", "rlslurm.rollout.server", "--engine", engine,
+           "--model", str(model_dir), "--host", host, "--port", str(port), *(extra_args or [])]
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as out:

@@ -12,6 +12,9 @@ from rlslurm.configfile import check
 class RolloutConfig:
     engine: Literal["hf", "vllm"] = "hf"
     """hf = the light transformers engine (CPU default); vllm = the production engine."""
+    python: str | None = None
+    """Interpreter that runs each engine server process; null = the job's own. vllm on a CPU host
+    needs its own venv (scripts/install_vllm_cpu.sh makes .venv-vllm): set .venv-vllm/bin/python."""
     engines: int = 1
     """Rollout engine servers (one process each)."""
     tp: int = 1
@@ -30,6 +33,8 @@ class RolloutConfig:
     """Seconds a generation request may take before the controller gives up on it."""
 
     def __post_init__(self):
+        check(self.python is None or bool(str(self.python).strip()), "python",
+              "must be an interpreter path, or null for the job's own")
         check(self.engines >= 1, "engines", "must be >= 1")
         check(self.tp >= 1, "tp", "must be >= 1")
         check(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")

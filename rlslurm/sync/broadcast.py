@@ -3,9 +3,13 @@
 The group is built by hand, apart from any default group either side already has (a process cannot
 `init_process_group` twice): a `TCPStore` hosted by the trainer plus `ProcessGroupGloo(store, rank,
 world)` on CPU, or `ProcessGroupNCCL` on GPU — the same code. Weights travel in buckets of
-`sync.bucket_mb` (tensors flattened to bytes, one broadcast per bucket, unflattened on the engine).
-Every collective has the group's timeout, so a dead engine raises instead of hanging; after any
-failure the group is dropped and rebuilt at the next sync.
+`sync.bucket_mb` (tensors flattened to bytes, one broadcast per bucket, landed on the engine).
+
+Pipelined: both sides keep `PIPELINE_DEPTH` broadcasts in flight (async work handles). The trainer
+flattens bucket i+1 while bucket i is on the wire (a bucket of one tensor is sent from the tensor
+itself, no flatten); the engine receives bucket i+1 while bucket i is checksummed (rlslurm/sync/
+landing.py). Every collective has the group's timeout, so a dead engine raises instead of hanging;
+after any failure the group is dropped and rebuilt at the next sync.
 
 Trainer: `BroadcastTransport(host, bucket_mb=64).send(tensors, engines, version, timeout_s)`.
 Engine:  `group = BroadcastGroup.join(addr, port, rank, world, timeout_s)`, then `receive(...)`.
@@ -16,15 +20,21 @@ from __future__ import annotations
 import datetime
 import logging
 import socket
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
-from rlslurm.sync.buckets import Fault, bucket_nbytes, flatten_into, manifest_of, plan_buckets, unflatten
+from rlslurm.sync.buckets import Bucket, Fault, bytes_of, flatten_into, manifest_of, plan_buckets, unflatten
+from rlslurm.sync.checksum import Checksum
 
 log = logging.getLogger(__name__)
+
+PIPELINE_DEPTH = 4
+"""Broadcasts in flight per side: queued back to back on the wire while the trainer flattens the next
+bucket and the engine checksums the last one (one send buffer per slot on the trainer)."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -59,25 +69,37 @@ class BroadcastGroup:
             pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
         return cls(pg, store, rank, world_size, dev, timeout_s)
 
-    def broadcast(self, tensor: torch.Tensor) -> None:
+    def broadcast_async(self, tensor: torch.Tensor):
+        """Start a broadcast from rank 0 into `tensor` on every rank; `.wait()` on the result."""
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         opts.rootTensor = 0
         opts.timeout = datetime.timedelta(seconds=self.timeout_s)
-        self.pg.broadcast([tensor], opts).wait()
+        return self.pg.broadcast([tensor], opts)
 
-    def receive(self, manifest: list[dict], bucket_bytes: int, load: Callable) -> int:
-        """Engine side: receive every bucket and hand its tensors to `load`; returns bytes received."""
-        buckets = plan_buckets(manifest, bucket_bytes)
-        buffer = torch.empty(max((bucket_nbytes(b) for b in buckets), default=0), dtype=torch.uint8,
-                             device=self.device)
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        self.broadcast_async(tensor).wait()
+
+    def receive(self, manifest: list[dict], bucket_bytes: int, landing) -> int:
+        """Engine side: receive every bucket into `landing` (rlslurm/sync/landing.py); returns bytes.
+
+        Bucket i+1 is already being received while bucket i is landed and checksummed.
+        """
+        in_flight: deque = deque()
         total = 0
-        for bucket in buckets:
-            flat = buffer[: bucket_nbytes(bucket)]
-            self.broadcast(flat)
-            load(unflatten(flat, bucket))
-            total += flat.numel()
+        for i, bucket in enumerate(plan_buckets(manifest, bucket_bytes)):
+            flat = landing.buffer(i, bucket.nbytes)
+            in_flight.append((i, bucket, flat, self.broadcast_async(flat)))
+            if len(in_flight) >= PIPELINE_DEPTH:
+                total += _land(landing, *in_flight.popleft())
+        while in_flight:
+            total += _land(landing, *in_flight.popleft())
         return total
+
+
+def _land(landing, index: int, bucket: Bucket, flat: torch.Tensor, work) -> int:
+    work.wait()
+    return landing.land(index, bucket, flat)
 
 
 class BroadcastTransport:
@@ -91,6 +113,7 @@ class BroadcastTransport:
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.fault, self.on_bucket = fault, on_bucket
         self.group: BroadcastGroup | None = None
+        self._buffers: list[torch.Tensor] = []  # PIPELINE_DEPTH send buffers, kept warm across syncs
         self.generation = 0
         self._members: tuple[str, ...] = ()
 
@@ -114,30 +137,29 @@ class BroadcastTransport:
         return group
 
     def send(self, tensors: Mapping[str, torch.Tensor], engines: Sequence, version: int,
-             timeout_s: float) -> int:
+             timeout_s: float, sums: dict[str, Checksum] | None = None) -> int:
         try:
-            return self._send(tensors, engines, timeout_s)
+            return self._send(tensors, engines, timeout_s, sums)
         except BaseException:
             self.close()  # a group that saw a failure is in an unknown state: rebuild next time
             raise
 
-    def _send(self, tensors, engines, timeout_s) -> int:
+    def _send(self, tensors, engines, timeout_s, sums) -> int:
         group = self._connect(engines, timeout_s)
         manifest = manifest_of(tensors)
         buckets = plan_buckets(manifest, self.bucket_bytes)
-        buffer = torch.empty(max(bucket_nbytes(b) for b in buckets), dtype=torch.uint8, device=group.device)
         total = 0
         with ThreadPoolExecutor(len(engines)) as pool:
             receipts = [pool.submit(e.update_broadcast, manifest, self.bucket_bytes, timeout_s) for e in engines]
+            in_flight: deque = deque()
             for i, bucket in enumerate(buckets):
-                flat = flatten_into(buffer[: bucket_nbytes(bucket)], bucket, tensors)
-                if self.fault:
-                    for name, piece in unflatten(flat, bucket):
-                        self.fault.corrupt(name, piece.reshape(-1).view(torch.uint8))
-                group.broadcast(flat)
+                if len(in_flight) >= PIPELINE_DEPTH:
+                    self._sent(*in_flight.popleft())
+                flat = self._flat(bucket, tensors, i % PIPELINE_DEPTH, group.device, sums)
+                in_flight.append((i, group.broadcast_async(flat)))
                 total += flat.numel()
-                if self.on_bucket:
-                    self.on_bucket(i)
+            while in_flight:
+                self._sent(*in_flight.popleft())
             done, pending = wait(receipts, timeout=timeout_s)
             if pending:
                 raise TimeoutError(f"{len(pending)} engines did not confirm the broadcast within {timeout_s} s")
@@ -145,8 +167,35 @@ class BroadcastTransport:
                 f.result()
         return total
 
+    def _sent(self, index: int, work) -> None:
+        work.wait()
+        if self.on_bucket:
+            self.on_bucket(index)
+
+    def _flat(self, bucket: Bucket, tensors, slot: int, device: torch.device, sums) -> torch.Tensor:
+        """The bytes of one bucket: the tensor itself if it is alone (and not to be corrupted),
+        else flattened into send buffer `slot` (free again: its last broadcast was waited for).
+        Checksums of the trainer's tensors go into `sums` meanwhile (earlier buckets are on the wire)."""
+        (first, *rest) = bucket.entries
+        lone = tensors[first.name]
+        if not rest and lone.device == device and lone.is_contiguous() and not (
+                self.fault and self.fault.tensor == first.name):
+            if sums is not None:
+                sums[first.name] = Checksum.like(lone).update(bytes_of(lone))
+            return bytes_of(lone)
+        while len(self._buffers) <= slot:
+            self._buffers.append(torch.empty(0, dtype=torch.uint8, device=device))
+        if self._buffers[slot].numel() < bucket.nbytes or self._buffers[slot].device != device:
+            self._buffers[slot] = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+        flat = flatten_into(self._buffers[slot][: bucket.nbytes], bucket, tensors, sums)
+        if self.fault:
+            for name, piece in unflatten(flat, bucket):
+                self.fault.corrupt(name, piece.reshape(-1).view(torch.uint8))
+        return flat
+
     def close(self) -> None:
         if self.group is not None:
             # Let go of the group without a collective shutdown: a peer may be dead.
             self.group = None
             self._members = ()
+        self._buffers = []

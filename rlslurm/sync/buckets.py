@@ -5,6 +5,9 @@ the same bucket plan from it, so only raw bytes travel. A bucket is the bytes of
 tensors concatenated (any mix of dtypes: each tensor is viewed as uint8), at most `bucket_bytes`
 long unless one tensor alone is larger. Fewer, larger messages are what makes a broadcast fast.
 
+`flatten_into` can take the trainer's checksums on the way: each tensor is copied in 1 MiB pieces
+and each piece of the trainer's own tensor is checksummed right after it was copied, while cached.
+
 `Fault` is the test hook that corrupts one tensor in flight, after its checksum was taken, so that
 VERIFY can be seen to catch it (RLSLURM_SYNC_CORRUPT=name[:times] sets it from the environment).
 """
@@ -17,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import Iterator, Mapping
 
 import torch
+
+from rlslurm.sync.checksum import PIECE_BYTES, Checksum, raw_bytes
 
 CORRUPT_ENV = "RLSLURM_SYNC_CORRUPT"
 
@@ -90,15 +95,23 @@ def bucket_nbytes(bucket: Bucket) -> int:
     return bucket.nbytes
 
 
-def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().contiguous().view(-1).view(torch.uint8)
+bytes_of = raw_bytes  # the tensor's bytes as a flat uint8 view (a copy only if not contiguous)
 
 
-def flatten_into(out: torch.Tensor, bucket: Bucket, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """Copy the bucket's tensors, as bytes, into the uint8 tensor `out` (shared memory or device)."""
+def flatten_into(out: torch.Tensor, bucket: Bucket, tensors: Mapping[str, torch.Tensor],
+                 sums: dict[str, Checksum] | None = None) -> torch.Tensor:
+    """Copy the bucket's tensors, as bytes, into the uint8 tensor `out` (shared memory or device);
+    with `sums`, also checksum each source tensor piece by piece as it is copied."""
     for e, offset in zip(bucket.entries, bucket.offsets):
-        if e.nbytes:
-            out[offset : offset + e.nbytes].copy_(_bytes_of(tensors[e.name]))
+        src, dst = bytes_of(tensors[e.name]), out[offset : offset + e.nbytes]
+        if sums is None:
+            dst.copy_(src)
+            continue
+        check = sums[e.name] = Checksum.like(tensors[e.name])
+        for start in range(0, e.nbytes, PIECE_BYTES):
+            piece = src[start : start + PIECE_BYTES]
+            dst[start : start + PIECE_BYTES].copy_(piece)
+            check.update(piece)
     return out
 
 

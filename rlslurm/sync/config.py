@@ -13,7 +13,9 @@ class SyncConfig:
     method: Literal["auto", "disk", "broadcast", "ipc"] = "auto"
     """disk = safetensors on the shared filesystem; broadcast = a process group; ipc = colocated handles; auto = from placement."""
     bucket_mb: float = 64.0
-    """Size of one broadcast bucket in MB."""
+    """MB per bucket (broadcast, ipc): the unit that is pipelined (bucket i+1 is filled while bucket i is
+    in flight); smaller buckets overlap more, larger ones mean fewer messages. A tensor larger than
+    this travels alone (broadcast sends it from the tensor itself, without a copy)."""
     timeout_s: float = 60.0
     """Seconds any one stage (drain, update, verify, resume) may take before the sync fails."""
     verify: bool = True

@@ -1,11 +1,13 @@
 """The weight-sync protocol, run by the controller (trainer rank 0) once per step:
 
     DRAIN   every engine refuses new requests and finishes the ones in flight
-    UPDATE  the transport (disk, broadcast or ipc) puts the new weights into every engine
-    VERIFY  per-tensor checksums taken on the trainer before sending are compared with the ones
-            each engine computes from the weights it now serves; a mismatch re-runs UPDATE up to
-            `sync.retries` times, then the engines roll back, stay drained, and SyncVerifyError
-            says which tensors of which engine differed
+    UPDATE  the transport (disk, broadcast or ipc) lands the new weights on every engine; both
+            sides checksum each tensor as it passes (the trainer its own tensor as it copies it
+            out, the engine what landed, rlslurm/sync/landing.py), not in a pass of their own
+    VERIFY  the trainer's per-tensor checksums are compared with each engine's; a mismatch
+            re-runs UPDATE up to `sync.retries` times, then the engines roll back, stay drained,
+            and SyncVerifyError says which tensors of which engine differed. An engine swaps the
+            verified tensors in only now, so it never serves a half update
     RESUME  every engine serves again, stamping samples with version + 1
 
     sync = WeightSync(clients, transport_for(cfg.sync, placement_mode="separate", weights_dir=d), cfg.sync)
@@ -31,7 +33,7 @@ from rlslurm.errors import RlslurmError, SyncVerifyError
 from rlslurm.events import emit
 from rlslurm.rundir import RunDir
 from rlslurm.sync.buckets import Fault
-from rlslurm.sync.checksum import checksums, compare
+from rlslurm.sync.checksum import Checksum, checksums, compare, finish
 from rlslurm.sync.config import SyncConfig
 
 log = logging.getLogger(__name__)
@@ -49,8 +51,9 @@ class Transport(Protocol):
     name: str
 
     def send(self, tensors: Mapping[str, torch.Tensor], engines: Sequence, version: int,
-             timeout_s: float) -> int:
-        """Put `tensors` into every (drained) engine; returns the bytes moved."""
+             timeout_s: float, sums: dict[str, Checksum] | None = None) -> int:
+        """Put `tensors` into every (drained) engine; returns the bytes moved. With `sums`, add the
+        checksum of each of the trainer's own tensors, taken as it is copied out."""
 
     def close(self) -> None: ...
 
@@ -96,23 +99,32 @@ class WeightSync:
         self.run = run
         self.clock = clock
 
+    @staticmethod
+    def _expected(tensors: Mapping[str, torch.Tensor], sums: dict[str, Checksum]) -> dict[str, str]:
+        """The trainer's checksums as strings; any tensor the transport did not checksum, now."""
+        done = {**finish(sums), **checksums((n, t) for n, t in tensors.items() if n not in sums)}
+        return {n: done[n] for n in tensors}
+
     def sync(self, tensors: Mapping[str, torch.Tensor], version: int) -> SyncReport:
         cfg, timeout_s = self.config, self.config.timeout_s
         report = SyncReport(self.transport.name, version)
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        # Taken before anything leaves the trainer: what VERIFY holds the engines to.
-        expected = checksums(tensors.items()) if cfg.verify else {}
+        # What VERIFY holds the engines to: checksums of the trainer's own tensors (a transport's
+        # fault hook corrupts only its copies), taken by the first UPDATE as it copies them out.
+        expected: dict[str, str] | None = None
 
         self._stage(report, "drain", lambda: self._each(lambda e: e.drain(timeout_s)))
         problems: list[dict] = []
         for attempt in range(cfg.retries + 1):
             report.attempts = attempt + 1
+            sums: dict[str, Checksum] | None = {} if cfg.verify and expected is None else None
             self._stage(report, "update",
-                        lambda: self.transport.send(tensors, self.engines, version, timeout_s))
+                        lambda: self.transport.send(tensors, self.engines, version, timeout_s, sums))
             if not cfg.verify:
                 break
-            answers = self._stage(report, "verify",
-                                  lambda: self._each(lambda e: e.verify(expected, timeout_s)))
+            if expected is None:
+                expected = self._stage(report, "verify", lambda: self._expected(tensors, sums))
+            answers = self._stage(report, "verify", lambda: self._verify(expected, timeout_s))
             report.stages["verify"].bytes += nbytes * (len(self.engines) + 1)
             problems = [
                 {"engine": e.url, **p}
@@ -151,6 +163,9 @@ class WeightSync:
             f"{report.attempts} times: {len(problems)} tensors differ (first: {first['name']!r} on "
             f"{first['engine']}: expected {first['expected']}, engine has {first['actual']}); "
             f"engines rolled back and left drained: {rolled}")
+
+    def _verify(self, expected: dict[str, str], timeout_s: float) -> list[dict]:
+        return self._each(lambda e: e.verify(expected, timeout_s))
 
     def _each(self, call: Callable) -> list:
         with ThreadPoolExecutor(max(1, len(self.engines))) as pool:

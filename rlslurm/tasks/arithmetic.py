@@ -7,7 +7,8 @@ Problems are every (a, op, b) with operands in 0..max_operand (subtraction only 
 answer is a non-negative integer), shuffled by `task.seed`; train takes the first `train_size`, held-out
 the next `eval_size`. The same seed gives the same splits on every rank, run and requeue.
 
-`score` is the one verifiable rule: SFT evaluation, the RL reward and the reward service all call it.
+`score` is the one verifiable rule: SFT evaluation and the inline RL reward call it; the reward service's
+rule scorer gives the same score when handed `normalize(response)` and ANSWER_FORMAT (jobs/rl.py does).
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ from dataclasses import dataclass
 from rlslurm.tasks.config import TaskConfig
 from rlslurm.tokenizer import SPECIALS
 
-_INTEGER = re.compile(r"[+-]?\d+")
+ANSWER_FORMAT = r"^[+-]?\d+$"
+"""The one form `score` accepts, on `normalize`d text: the reward service's rule scorer, handed the normalized
+response and this as `reward.format_regex`, then scores exactly as `score` does (tests/unit/test_task.py)."""
+_INTEGER = re.compile(ANSWER_FORMAT)
 
 
 @dataclass(frozen=True)

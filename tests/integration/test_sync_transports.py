@@ -17,6 +17,7 @@ from rlslurm.rollout.engine import HFEngine
 from rlslurm.rundir import RunDir
 from rlslurm.sync.broadcast import BroadcastTransport
 from rlslurm.sync.buckets import Fault
+from rlslurm.sync.checksum import checksums
 from rlslurm.sync.config import SyncConfig
 from rlslurm.sync.disk import DiskTransport
 from rlslurm.sync.ipc import IpcTransport
@@ -52,9 +53,9 @@ def make_transport(kind: str, tmp_path, fault=None, bucket_mb=0.02):
     return IpcTransport(bucket_mb=bucket_mb, fault=fault)
 
 
-def sync_to(engine, kind, seed, models, tmp_path, *, fault=None, retries=1, run=None):
+def sync_to(engine, kind, seed, models, tmp_path, *, fault=None, retries=1, run=None, bucket_mb=0.02):
     version = engine.client.version() + 1
-    transport = make_transport(kind, tmp_path, fault)
+    transport = make_transport(kind, tmp_path, fault, bucket_mb)
     try:
         proto = WeightSync([engine.client], transport, SyncConfig(timeout_s=30, retries=retries), run=run)
         return proto.sync(weights(models[0][seed]), version)
@@ -90,10 +91,12 @@ def test_a_tensor_corrupted_in_flight_is_never_served(kind, engine, models, refe
     before = engine.client.version()
     run = RunDir(tmp_path / "run").create()
     fault = Fault("model.layers.1.mlp.up_proj.weight")
+    sent = checksums(weights(models[0][new_seed]).items())
     with pytest.raises(SyncVerifyError) as failed:
         sync_to(engine, kind, new_seed, models, tmp_path, fault=fault, retries=1, run=run)
     assert "model.layers.1.mlp.up_proj.weight" in str(failed.value) and "2 times" in str(failed.value)
     assert fault.hits == 2  # the first try and its one retry
+    assert checksums(weights(models[0][new_seed]).items()) == sent  # only copies in flight were hit
 
     health = engine.client.health()
     assert health["state"] == "drained" and health["version"] == before and health["verified"]
@@ -107,6 +110,19 @@ def test_a_tensor_corrupted_in_flight_is_never_served(kind, engine, models, refe
     engine.client.resume(before, timeout_s=10)
     out = engine.client.completions(PROMPTS, max_tokens=8, temperature=0)
     assert out["policy_version"] == before and served_tokens(out) == reference[old_seed]
+
+
+@pytest.mark.parametrize("kind", ["broadcast", "ipc"])
+def test_one_tensor_per_bucket_pipelines_and_corrupts_only_a_copy(kind, engine, models, reference, tmp_path):
+    # Buckets of 1 KB: every tensor travels alone (broadcast sends it without a flatten copy), and
+    # many buckets are in flight at once on both sides.
+    new_seed = (current_seed(engine, reference) + 1) % len(SEEDS)
+    sent = checksums(weights(models[0][new_seed]).items())
+    fault = Fault("model.layers.0.self_attn.q_proj.weight", times=1)
+    report = sync_to(engine, kind, new_seed, models, tmp_path, fault=fault, bucket_mb=0.001)
+    assert report.attempts == 2 and fault.hits == 1
+    assert checksums(weights(models[0][new_seed]).items()) == sent
+    assert served_tokens(engine.client.completions(PROMPTS, max_tokens=8, temperature=0)) == reference[new_seed]
 
 
 @pytest.mark.parametrize("kind", TRANSPORTS)

@@ -73,3 +73,21 @@ def test_envdiff_command_on_two_files_and_a_run_dir(run):
     assert "torch differs between train and rollout" in str(r.exception)
     r = CliRunner().invoke(envdiff, [str(run.path), "--sync-method", "disk"])
     assert r.exit_code == 0 and "warning: torch differs" in r.output and "3 fingerprints" in r.output
+
+
+def test_rl_controller_refuses_a_torch_difference_before_a_broadcast_sync(run):
+    """jobs/rl.py Controller.check_env, the check the RL job runs before its first sync, on planted files."""
+    from types import SimpleNamespace
+
+    from rlslurm.events import read_events
+    from rlslurm.jobs.rl import Controller
+
+    _plant(run, "rollout-0", torch="2.12.0+cpu")
+    with pytest.raises(PreflightError) as e:
+        Controller.check_env(SimpleNamespace(run=run, transport=SimpleNamespace(name="broadcast")))
+    assert "torch differs between train and rollout" in str(e.value) and "rollout-0: 2.12.0+cpu" in str(e.value)
+    assert "train-0, train-1: " in str(e.value) and "sync.method = 'disk'" in str(e.value)
+    (event,) = read_events(run, "env_diff")
+    assert event["ok"] is False and "error: torch differs between train and rollout" in event["report"]
+    Controller.check_env(SimpleNamespace(run=run, transport=SimpleNamespace(name="disk")))  # a warning only
+    assert read_events(run, "env_diff")[-1]["ok"] is True

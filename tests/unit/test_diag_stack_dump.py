@@ -73,3 +73,20 @@ def test_collective_is_read_from_py_spy_and_faulthandler_text():
     assert frames(py_spy)[2] == ("all_reduce", "torch/distributed/distributed_c10d.py", "3252")
     assert collective_in("    gloo::transport::tcp::Pair::recv (libgloo.so)\n") == "collective"
     assert collective_in("    broadcast (mylib/radio.py:3)\n") is None  # not torch.distributed's
+
+
+def test_ddp_gradient_wait_reads_as_all_reduce():
+    """DDP all-reduces gradients from C++ inside backward(): only native frames show it (py-spy --native)."""
+    ddp = """Thread 29976 (idle): "MainThread"
+    pthread_cond_wait (libc.so.6)
+    std::condition_variable::wait (libstdc++.so.6.0.30)
+    c10d::Reducer::finalize_backward (libtorch_cpu.so)
+    torch::autograd::Engine::execute (libtorch_cpu.so)
+    _engine_run_backward (torch/autograd/graph.py:979)
+    backward (torch/autograd/__init__.py:395)
+    Tensor.backward (torch/_tensor.py:623)
+    ToyTrainer.step (jobs/toytrain.py:159)
+"""
+    assert collective_in(ddp) == "all_reduce"
+    assert top_frame(ddp) == "_engine_run_backward (torch/autograd/graph.py:979)"
+    assert collective_in("    gloo::AllreduceRing<float>::run (libtorch_cpu.so)\n") == "all_reduce"

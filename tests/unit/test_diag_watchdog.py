@@ -82,3 +82,75 @@ def test_heartbeats_of_other_hosts_and_dead_pids_are_not_watched(run):
 
 def test_agent_once_on_a_quiet_run_exits_0(run):
     assert main(["--run-dir", str(run.path), "--once"]) == 0
+
+
+def test_a_rank_in_a_collective_counts_as_waiting_before_its_own_timeout_and_is_killed_too(run):
+    clock = Clock()
+    stuck = HeartbeatWriter(run, "train", 1, interval_s=1, clock=clock, background=False)
+    stuck.update(phase="data", step=10, phase_timeout_s=5.0, force=True)
+    clock.t += 0.2  # the peer entered its all_reduce a moment after the stuck rank's last beat
+    waiter = HeartbeatWriter(run, "train", 0, interval_s=1, clock=clock, background=False)
+    waiter.update(phase="train", step=10, phase_timeout_s=5.0, force=True)
+
+    def dump(pid, faulthandler_file, **kw):
+        # Both heartbeats name this process: tell the ranks apart by the faulthandler file the dog passes.
+        if faulthandler_file.name.endswith("-0.txt"):
+            return fake_dump(pid)
+        return StackDump(pid, "Thread 2 (idle)\n    load (data.py:7)\n", "py-spy", "sleeping")
+
+    signals = []
+    dog = Watchdog(run, DiagConfig(hang_policy="fail", kill_grace_s=0), clock=clock, sleep=clock.sleep,
+                   dump=dump, kill=lambda pid, sig: signals.append(sig))
+    clock.t += 5.1
+    waiter.update(phase="train", step=10, force=True)  # train-0 beat just now; train-1 is 5.3 s silent
+    report = dog.poll()
+    assert [r.name for r in report.hung] == ["train-1"]
+    assert report.waiting == ["train-0"] and report.elsewhere == ["train-1"] and report.collective == "all_reduce"
+    assert "1 rank in all_reduce of train step 10 (train-0), train-1 in the data phase step 10 at load " \
+           "(data.py:7)" in report.message and "train-0 0.0 s of 5 s" in report.message
+    (action,) = read_events(run, "hang_action")
+    assert sorted(action["killed"]) == ["train-0", "train-1"]  # the waiting rank is wedged as well
+
+
+def test_agent_exits_when_no_heartbeat_appears_within_the_idle_limit(run):
+    clock = Clock()
+    dog = Watchdog(run, DiagConfig(agent_idle_exit_s=30, watch_interval_s=1), clock=clock, sleep=clock.sleep)
+    assert dog.watch() == 0
+    assert 30 <= clock.t - 1_000_000.0 <= 32
+
+
+def test_agent_exits_when_its_parent_is_gone(run, tmp_path):
+    """A real orphan: the agent's parent is SIGKILLed (as a hung rank 0 is at KillWait); the agent must go."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    log = tmp_path / "agent.log"
+    script = ("import subprocess, sys, time\n"
+              f"p = subprocess.Popen([sys.executable, '-m', 'rlslurm.diag.watchdog', '--run-dir', {str(run.path)!r},"
+              f" '--watch-interval-s', '0.1'], start_new_session=True, stderr=open({str(log)!r}, 'w'))\n"
+              "print(p.pid, flush=True)\n"
+              "time.sleep(60)\n")
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    agent = psutil.Process(int(parent.stdout.readline()))
+    assert agent.is_running()
+    time.sleep(0.5)
+    assert agent.status() != psutil.STATUS_ZOMBIE  # no heartbeat yet, idle limit 600 s: still watching
+    parent.kill()
+    parent.wait(5)
+    started = time.monotonic()
+    agent.wait(10)  # not our child: psutil cannot tell its exit code, the log says why it left
+    assert time.monotonic() - started < 5
+    assert f"exiting: parent pid {parent.pid} is gone" in log.read_text()
+
+
+def test_parent_pid_reuse_is_not_mistaken_for_the_parent(run):
+    import os
+
+    dog = Watchdog(run, DiagConfig(), parent_pid=os.getpid())
+    assert not dog.parent_gone()
+    dog._parent_started -= 10  # as if this pid now belonged to a later process
+    assert dog.parent_gone()
+    assert not Watchdog(run, DiagConfig(), parent_pid=None).parent_gone()

@@ -95,3 +95,24 @@ def test_sigterm_starts_the_kill_wait_clock_even_after_usr1(run):
         assert gate.kill_wait_left_s() == pytest.approx(17.5)
     finally:
         gate.restore_signal_handlers()
+
+
+def test_a_control_file_older_than_this_process_is_a_stale_request_and_ignored(run):
+    """The node agent writes control/drain on a hang, then requeues; the next start must not drain at once."""
+    path = run.control / "drain"
+    path.write_text("hang detected\n")
+    os.utime(path, (1000.0, 1000.0))
+    gate = DrainGate(run, clock=Clock(), not_before=2000.0)
+    assert not gate.check() and not gate.check()
+    (stale,) = read_events(run, "drain_request_stale")  # said once, not at every poll
+    assert "1001.0 s before this process started" in stale["reason"]
+    assert path.exists()  # left alone: a rank started earlier may still be the one it was meant for
+    os.utime(path, (2000.5, 2000.5))  # a new request, e.g. `rlslurm drain` against this start
+    gate._next_poll = 0
+    assert gate.check() and gate.reason == f"control file {path}"
+
+
+def test_by_default_the_process_start_time_decides(run):
+    import psutil
+
+    assert DrainGate(run).not_before == pytest.approx(psutil.Process().create_time() - 1.0)

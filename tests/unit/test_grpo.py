@@ -63,6 +63,18 @@ def test_samples_keep_prompt_order_and_zero_variance_groups_are_dropped():
     assert {s.version for s in samples} == {3}
 
 
+def test_responses_dropped_by_the_reward_policy_leave_their_group():
+    """reward.degrade: drop gives None: the group is normalised over the rest; one left is no group."""
+    problems = [Problem(1, "+", 2), Problem(5, "-", 3)]
+    choices = [_choice([4 + 4 * g + j]) for g in range(2) for j in range(4)]
+    rewards = [1.0, None, 0.0, None,   # two left, mixed: kept as a group of two
+               1.0, None, None, None]  # one left: nothing to compare it with
+    samples, dropped = build_samples(problems, choices, rewards, 4, lambda t: [1])
+    assert dropped == 1
+    assert [s.response_ids[0] for s in samples] == [4, 6]
+    assert [s.advantage for s in samples] == pytest.approx(group_advantages([1.0, 0.0]))
+
+
 def test_a_rollout_that_lost_responses_is_refused():
     problems = [Problem(1, "+", 2), Problem(2, "+", 2)]
     with pytest.raises(RlslurmError, match="lost or duplicated"):

@@ -49,6 +49,13 @@ def render_gpu_three_components() -> str:
     return ex._make_submission_file_text(COMMAND, "uid")
 
 
+def render_cpu_colocated() -> str:
+    """Colocated rollout (placement.mode = colocate): no further component, a plain job of 2 ranks."""
+    ex = _executor([], job_name="rl-colocated", partition="train", nodes=1, ntasks_per_node=2, cpus_per_task=1,
+                   time=30, additional_parameters={"requeue": True}, setup=[f"export RLSLURM_RUN_DIR='{RUN}'"])
+    return ex._make_submission_file_text(COMMAND, "uid")
+
+
 def render_hand_template() -> str:
     return render_template(job_name="rl by hand", train_partition="train", train_nodes=1, train_tasks_per_node=2,
                            rollout_partition="rollout", rollout_nodes=1, rollout_tasks_per_node=1, time_min=30,
@@ -58,6 +65,7 @@ def render_hand_template() -> str:
 
 
 CASES = {"hetjob_cpu_train_rollout": render_cpu_train_rollout,
+         "hetjob_cpu_colocated": render_cpu_colocated,
          "hetjob_gpu_three_components": render_gpu_three_components,
          "hetjob_hand_template": render_hand_template}
 
@@ -90,3 +98,10 @@ def test_het_directives_order():
     partitions = [ln for ln in lines if ln.startswith("#SBATCH --partition=")]
     assert partitions == ["#SBATCH --partition=train", "#SBATCH --partition=rollout", "#SBATCH --partition=cpu"]
     assert any("--het-group=0" in ln and ln.startswith("srun") for ln in lines)
+
+
+def test_colocated_job_is_plain():
+    """No `#SBATCH hetjob`, no --het-group: SLURM sees one ordinary job on the train partition."""
+    text = render_cpu_colocated()
+    assert "hetjob" not in text and "--het-group" not in text
+    assert "#SBATCH --partition=train" in text and "export RLSLURM_HET_GROUP=0" in text

@@ -69,3 +69,24 @@ def test_config_errors_name_the_key():
         load_mapping(RewardConfig, {"format_regex": "("}, source="job.yaml", key="reward")
     with pytest.raises(ConfigError, match="Valid keys"):
         load_mapping(RewardConfig, {"sandbox": {"cpu_seconds": 1}}, source="job.yaml", key="reward")
+
+
+def test_rule_scorer_scores_the_arithmetic_task_exactly_as_its_own_rule():
+    """The RL job hands the service normalize(text) and ANSWER_FORMAT (jobs/rl.py reward_config): every
+    response the engines can write - any string over the tokenizer's alphabet - must score the same."""
+    import random
+
+    from rlslurm.tasks.arithmetic import ANSWER_FORMAT, Problem, normalize, score
+    from rlslurm.tokenizer import ALPHABET
+
+    rng = random.Random(0)
+    problems = [Problem(19, "+", 0), Problem(7, "-", 7), Problem(99, "+", 99)]
+    tricky = ["19", " 1 9 ", "019", "+19", "- 19", "-19", "19=", "=19", "19+", "19+0", "1 9 9", "", " ",
+              "-0", "- 0", "+ 0", "0", "00", "198", "+-19", "--0", "2 -", "1e3"]
+    responses = tricky + ["".join(rng.choice(ALPHABET) for _ in range(rng.randint(0, 8))) for _ in range(3000)]
+    for problem in problems:
+        for text in responses:
+            want = score(problem, text)
+            got = rule_score(normalize(text), problem.target, ANSWER_FORMAT).score
+            assert got == want, (problem, text, got, want)
+    assert sum(score(p, t) for p in problems for t in responses) >= 6  # the table holds right answers too

@@ -1,0 +1,260 @@
+"""The RL job (jobs/rl.py, GRPO on the embedded tiny model) on the real local cluster: as a het job with
+the trainer on a `train` node and the engine on a `rollout` node, synced by disk and by broadcast; as a
+plain job with the engine colocated on the trainer's node, synced by ipc; and stopped mid-run (USR1,
+`rlslurm drain <jobid>`, `scontrol requeue`): every role drains, the job checkpoints, requeues, and
+resumes at the same step and policy version, and its reward/loss trajectory equals the uninterrupted
+run's. Prints MEASURE lines (-s shows them); ~4 min on 2 shared cores.
+
+    RLSLURM_SLURM_PORT_BASE=21817 python -m pytest -q -s tests/cluster/test_rl_slurm.py
+
+All runs start from one short SFT export (made locally once, ~30 s), so rewards vary within groups and
+the losses are not all zero. Same seeds, same 2 trainer ranks, one engine on 1 thread: every run here
+must produce the same trajectory, whatever the sync method and however often it was stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from rlslurm import launch
+from rlslurm.checkpoint import step_dirname
+from rlslurm.cli.main import cli
+from rlslurm.config import load_config
+from rlslurm.rundir import RunDir, read_jsonl
+from rlslurm.slurm import commands
+import spine_util as su
+
+pytestmark = pytest.mark.cluster
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 40
+"""RL steps of every run (~0.1 s each on an idle machine): enough to stop one in the middle."""
+JOB_TIMEOUT_S = 240
+"""Bound on one RL job, a requeue included (measured: 13-20 s a start, 36-45 s with a requeue)."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cancel_and_tidy_at_end(slurm_cluster):
+    yield
+    for line in su.cleanup():
+        print(f"\ncleanup: {line}")
+
+
+@pytest.fixture(scope="module")
+def sft_export(tmp_path_factory) -> Path:
+    """A short SFT of examples/tiny-sft.yaml (held-out accuracy ~0.05): some samples of a group are right
+    and some wrong, so GRPO has signal. Local backend: it is only the starting point."""
+    path = ROOT / "examples" / "tiny-sft.yaml"
+    job = load_config(path, ["train.steps=400", "task.eval_size=200"])
+    sub = launch.submit(job, config_text=path.read_text(), backend="local",
+                        run_root=tmp_path_factory.mktemp("sft"))
+    assert [int(c) for c in launch.wait(sub, timeout_s=300, poll_s=0.5)] == [0, 0]
+    export = sub.run_dir / "export" / "hf"
+    assert (export / "config.json").is_file()
+    return export
+
+
+def rl_config(path: Path, run_root: Path, init_from: Path, *, method: str, colocate: bool = False) -> Path:
+    """The RL job's YAML: separate = 1 train node (2 ranks) + 1 rollout node (1 engine); colocate = 1 node."""
+    data = {
+        "job": {"name": path.stem, "kind": "rl"},
+        "hardware": {"profile": "cpu", "nodes": 1 if colocate else 2, "gpus_per_node": 2},
+        "placement": {"mode": "colocate"} if colocate else {"mode": "separate", "rollout_nodes": 1},
+        "train": {"steps": STEPS, "lr": 3.0e-4, "seed": 0, "init_from": str(init_from)},
+        "rl": {"prompts_per_step": 16, "samples_per_prompt": 8, "eval_every": 100},
+        "rollout": {"engines": 1, "max_new_tokens": 8, "temperature": 1.0},
+        "task": {"max_operand": 99, "operations": ["+", "-"], "train_size": 4000, "eval_size": 200, "seed": 1234},
+        "sync": {"method": method},
+        "checkpoint": {"interval_steps": 4, "kill_wait_s": su.KILL_WAIT_S, "cost_s": 0.5},
+        "cluster": {"backend": "slurm", "time_limit_min": 5, "signal_before_s": 30, "run_root": str(run_root)},
+    }
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def steps(run: Path) -> list[dict]:
+    return [m for m in read_jsonl(RunDir(run).metrics) if "policy_version" in m]
+
+
+def trajectory(run: Path) -> dict[int, tuple[float, float, int]]:
+    """step -> (reward_mean, loss, effective samples); a step run again after a resume keeps its last value."""
+    return {m["step"]: (m["reward_mean"], m["loss"], m["effective_samples"]) for m in steps(run)}
+
+
+def wall_s(run: Path) -> float:
+    """Submission to the `done` event, from the run's own events."""
+    (submitted,) = su.events(run, "submitted")
+    (done,) = su.events(run, "done")
+    return done["t"] - submitted["t"]
+
+
+def run_rl(slurm_cluster, tmp_path: Path, init_from: Path, method: str, *, colocate: bool = False) -> Path:
+    sub = su.submit(rl_config(tmp_path / f"rl-{method}.yaml", tmp_path / "runs", init_from, method=method,
+                              colocate=colocate))
+    su.wait_done(sub.job_id, sub.run_dir, JOB_TIMEOUT_S, slurm_cluster.kick)
+    return sub.run_dir
+
+
+def assert_synced_every_step(run: Path, method: str) -> None:
+    """One verified sync per policy version (the start's, then one per step), nothing failed, and the
+    engine sampled with exactly the weights the trainer scored."""
+    verified = su.events(run, "sync_verified")
+    assert {e["transport"] for e in verified} == {method}
+    assert sorted({e["version"] for e in verified}) == list(range(STEPS + 1))
+    assert not su.events(run, "sync_failed") and not su.events(run, "sync_verify_mismatch")
+    rows = steps(run)
+    assert sorted({m["step"] for m in rows}) == list(range(1, STEPS + 1))
+    assert all(m["policy_version"] == m["step"] and m["staleness_max"] == 0 for m in rows)
+    assert max(m["engine_trainer_logprob_gap"] for m in rows) < 1e-3
+    assert sum(m["effective_samples"] for m in rows) > 0 and any(m["loss"] != 0.0 for m in rows)
+    (done,) = su.events(run, "done")
+    assert (done["step"], done["policy_version"]) == (STEPS, STEPS)
+
+
+def assert_engines_exited_cleanly(run: Path, starts: int) -> None:
+    """Every start's engine ended by SIGTERM (rank 0 stopping the component, or SLURM's requeue) with
+    its requests finished and exit 0: not killed by srun, not by its own signal."""
+    engine_logs = "".join(p.read_text(errors="replace") for p in (run / "logs").glob("rollout-*.log"))
+    assert engine_logs.count("stopped: exiting 0") == starts, engine_logs[-2000:]
+    srun_logs = "".join(p.read_text(errors="replace") for p in (run / "logs" / "submitit").glob("*_0_log.err"))
+    assert "task 0: Killed" not in srun_logs and "task 0: Terminated" not in srun_logs, srun_logs[-2000:]
+
+
+@pytest.fixture(scope="module")
+def reference(slurm_cluster, sft_export, tmp_path_factory) -> Path:
+    """The uninterrupted het job with disk sync: the trajectory every other run must reproduce."""
+    return run_rl(slurm_cluster, tmp_path_factory.mktemp("disk"), sft_export, "disk")
+
+
+def assert_separate_placement(run: Path) -> None:
+    """Trainer ranks on one `train` node, the engine on a `rollout` node, all of one het job."""
+    (job_id,) = {s["job_id"] for s in read_jsonl(run / "submissions.jsonl")}
+    by_role = {(p["role"], p["rank"]): p for p in su.placements(run, restart=0)}
+    assert sorted(by_role) == [("rollout", 0), ("train", 0), ("train", 1)]
+    train0, train1, engine = by_role["train", 0], by_role["train", 1], by_role["rollout", 0]
+    assert train0["partition"] == train1["partition"] == "train" and train0["node"] in {"n1", "n2"}
+    assert engine["partition"] == "rollout" and engine["node"] in {"n3", "n4"}
+    assert {p["job_id"] for p in by_role.values()} == {job_id}
+    (started,) = su.events(run, "component_started")
+    assert (started["component_role"], started["nodes"], started["job_kind"]) == ("rollout", [engine["node"]], "rl")
+    # The engine the controller used is the rollout component's, on the rollout node.
+    announced = json.loads((run / "endpoints" / "engine-0.json").read_text())
+    assert (announced["node"], announced["job_id"], announced["restart_count"]) == (engine["node"], job_id, 0)
+    rows = commands.show_job(job_id)
+    assert sorted((r["HetJobOffset"], r["Partition"]) for r in rows) == [("0", "train"), ("1", "rollout")]
+    assert su.state(job_id) == "COMPLETED"
+
+
+def test_het_job_with_disk_sync(reference):
+    assert_separate_placement(reference)
+    assert_engines_exited_cleanly(reference, starts=1)
+    assert_synced_every_step(reference, "disk")
+    print(f"\nMEASURE RL het job, sync disk: {wall_s(reference):.1f} s submit -> done "
+          f"({STEPS} steps, {sum(m['step_s'] for m in steps(reference)):.1f} s in steps)")
+
+
+def test_het_job_with_broadcast_sync_matches_disk(slurm_cluster, sft_export, reference, tmp_path):
+    run = run_rl(slurm_cluster, tmp_path, sft_export, "broadcast")
+    assert_separate_placement(run)
+    assert_engines_exited_cleanly(run, starts=1)
+    assert_synced_every_step(run, "broadcast")
+    # Verified syncs put the same bytes into the engine: the same samples, rewards and losses.
+    assert trajectory(run) == trajectory(reference)
+    print(f"\nMEASURE RL het job, sync broadcast: {wall_s(run):.1f} s submit -> done "
+          f"({STEPS} steps, {sum(m['step_s'] for m in steps(run)):.1f} s in steps)")
+
+
+def test_colocated_job_with_ipc_sync_matches_disk(slurm_cluster, sft_export, reference, tmp_path):
+    run = run_rl(slurm_cluster, tmp_path, sft_export, "ipc", colocate=True)
+    (job_id,) = {s["job_id"] for s in read_jsonl(run / "submissions.jsonl")}
+    trainers = su.placements(run, "train")
+    (engine,) = su.placements(run, "rollout")
+    # One plain job: no het components; the engine is rank 0's child on rank 0's node.
+    (record,) = commands.show_job(job_id)
+    assert record.get("HetJobOffset") is None
+    assert not su.events(run, "component_started")
+    assert {p["partition"] for p in trainers} == {"train"} and len({p["node"] for p in trainers}) == 1
+    rank0 = next(p for p in trainers if p["rank"] == 0)
+    assert engine["colocated"] and (engine["node"], engine["partition"]) == (rank0["node"], "train")
+    assert_synced_every_step(run, "ipc")
+    assert trajectory(run) == trajectory(reference)
+    assert su.state(job_id) == "COMPLETED"
+    print(f"\nMEASURE RL colocated job, sync ipc: {wall_s(run):.1f} s submit -> done "
+          f"({STEPS} steps, {sum(m['step_s'] for m in steps(run)):.1f} s in steps)")
+
+
+@pytest.mark.parametrize("trigger", ["usr1", "rlslurm-drain", "scontrol-requeue"])
+def test_drain_mid_rl_requeues_and_resumes_same_step_version_and_trajectory(slurm_cluster, sft_export, reference,
+                                                                            tmp_path, trigger):
+    sub = su.submit(rl_config(tmp_path / f"rl-drain-{trigger}.yaml", tmp_path / "runs", sft_export, method="broadcast"))
+    run = sub.run_dir
+    su.wait_for("RL step 3", lambda: max((m["step"] for m in steps(run)), default=0) >= 3, JOB_TIMEOUT_S)
+    asked_at = time.time()
+    if trigger == "usr1":
+        # To the steps (no -b/-f), as --signal=USR1@N: trainer ranks and the engine all get it.
+        commands.scancel(sub.job_id, signal="USR1")
+    elif trigger == "rlslurm-drain":
+        result = CliRunner().invoke(cli, ["drain", sub.job_id, "--run-root", str(run.parent), "--reason", "test"],
+                                    catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+    else:
+        # SIGTERM to every task at once, engines included: the step in flight may lose its engine.
+        commands.requeue(sub.job_id)
+    su.wait_done(sub.job_id, run, JOB_TIMEOUT_S, slurm_cluster.kick)
+
+    (drained,) = su.events(run, "drained")
+    step = drained["step"]
+    assert 3 <= step < STEPS and drained["checkpoint"] == step_dirname(step)
+    requested = [e for e in su.events(run, "drain_requested") if e.get("role") == "train"]
+    (engines,) = su.events(run, "engines_drained")
+    if trigger == "scontrol-requeue":
+        assert sorted(e["rank"] for e in requested) == [0, 1] and {e["signal"] for e in requested} == {"SIGTERM"}
+        assert drained["requeued"] == "by SLURM (SIGTERM)" and not su.events(run, "requeue")
+        # SLURM stops the engines itself; a step that lost its engine is given up or keeps its training.
+        assert engines["engines"] == {} and "SIGTERM" in engines["reason"]
+        lost = [e["step"] for e in su.events(run, "step_abandoned")] + [e["step"] for e in su.events(run, "sync_skipped")]
+        assert lost in ([], [step]), lost
+        assert len(su.events(run, "sync_failed")) == len(su.events(run, "sync_skipped"))
+        requeued_at = asked_at
+    else:
+        assert drained["requeued"] is True
+        if trigger == "usr1":
+            assert sorted(e["rank"] for e in requested) == [0, 1] and {e["signal"] for e in requested} == {"SIGUSR1"}
+        else:
+            # A rank whose gate had not polled the file yet drains by the others' flag (the all-reduce).
+            assert requested and all("control file" in e["reason"] for e in requested)
+            assert not (RunDir(run).control / "drain").exists()  # consumed, or the restart would drain again
+        # The engine drained too: no new prompts, nothing left in flight, still on the drain step's weights.
+        ((_, engine_state),) = engines["engines"].items()
+        assert (engine_state["state"], engine_state["version"]) == ("drained", step)
+        (requeue,) = su.events(run, "requeue")
+        assert (requeue["job_id"], requeue["step"]) == (sub.job_id, step)
+        assert not su.events(run, "sync_failed")
+        requeued_at = requeue["t"]
+    # Stopped at the drain step, resumed at that step and policy version.
+    first_start = [m for m in steps(run) if m["restart_count"] == 0]
+    assert max(m["step"] for m in first_start) == step
+    (resume,) = su.events(run, "resume")
+    assert (resume["step"], resume["checkpoint"], resume["restart_count"]) == (step, step_dirname(step), 1)
+    resync = next(e for e in su.events(run, "sync_verified") if e["t"] > resume["t"])
+    assert resync["version"] == step
+    first = next(e for e in su.events(run, "first_step") if e["t"] > resume["t"])
+    assert (first["step"], first["policy_version"]) == (step + 1, step + 1)
+    assert min(m["step"] for m in steps(run) if m["restart_count"] == 1) == step + 1
+    # The second start used its own engine, not the first allocation's endpoint.
+    assert {p["restart_count"] for p in su.placements(run, "rollout")} == {0, 1}
+    assert json.loads((run / "endpoints" / "engine-0.json").read_text())["restart_count"] == 1
+    assert commands.show_job(sub.job_id)[0]["Restarts"] == "1"
+
+    assert trajectory(run) == trajectory(reference)
+    logs = "".join(p.read_text(errors="replace") for p in (run / "logs").rglob("*log*") if p.is_file())
+    assert "User defined signal 1" not in logs and "Traceback" not in logs
+    assert_engines_exited_cleanly(run, starts=2)
+    print("\n" + su.measure_line(f"RL drain by {trigger}", su.restart_timing(run, requeued_at, 1))
+          + f" [asked at step >= 3, drained at step {step}, {drained['t'] - asked_at:.2f} s after the ask]")
