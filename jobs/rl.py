@@ -43,8 +43,8 @@ import os
 import random
 import signal
 import socket
+import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -66,7 +66,8 @@ from rlslurm.rl.experience import (Experience, GroupAssembler, Sample, build_sam
                                   group_advantages)
 from rlslurm.rl.pipeline import THREADED_ENV, ExperiencePipeline, stamp_staleness
 from rlslurm.rundir import RunDir
-from rlslurm.tasks.arithmetic import ANSWER_FORMAT, Problem, make_splits, normalize, score
+from rlslurm.tasks.arithmetic import ANSWER_FORMAT, Problem, make_splits
+from rlslurm.tasks.prompts import PromptFormat
 from rlslurm.tinymodel import build_model, load_hf, save_hf
 from rlslurm.tokenizer import PAD_ID
 
@@ -84,7 +85,7 @@ class Policy:
 
     def __init__(self, job: JobConfig, topo: Topology, model_dir: Path):
         self.job, self.topo = job, topo
-        model, _ = load_hf(model_dir)
+        model, self.tokenizer = load_hf(model_dir)  # the tokenizer: the controller's, and the export's
         self.model = model.float()
         self.ddp = DistributedDataParallel(self.model) if topo.world_size > 1 else self.model
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=job.train.lr,
@@ -306,6 +307,8 @@ class Controller:
         from rlslurm.sync.protocol import WeightSync, transport_for
 
         self.job, self.run, self.tokenizer = job, run, tokenizer
+        # task.prompt_style / task.answer: the text an engine is sent for a task prompt, the rule it is scored by
+        self.format = PromptFormat(job.task, tokenizer, model_dir=model_dir)
         self.train_set, self.held_out = make_splits(job.task)
         self.engines = Engines(job, run, model_dir)
         placement = "colocate" if job.placement.mode == "colocate" else "separate"
@@ -323,7 +326,7 @@ class Controller:
     def close(self) -> None:
         pipeline = getattr(self, "pipeline", None)
         if pipeline is not None:
-            pipeline.close(timeout_s=0)  # stop it first: the engines and the service go away below
+            pipeline.stop()  # first: the engines and the reward service go away below
         if getattr(self, "rewards", None) is not None:
             self.rewards.close()
         self.transport.close()
@@ -350,7 +353,7 @@ class Controller:
         cfg, n_eng = self.job.rollout, len(self.engines.clients)
         choices: list[dict] = []
         for i, client in enumerate(self.engines.clients):
-            share = [p.prompt for j, p in enumerate(problems) if j % n_eng == i]
+            share = [self.format.text(p.prompt) for j, p in enumerate(problems) if j % n_eng == i]
             if not share:
                 continue
             out = client.completions(share, n=self.job.rl.samples_per_prompt, max_tokens=cfg.max_new_tokens,
@@ -364,13 +367,13 @@ class Controller:
             choices.extend(batch)
         return sorted(choices, key=lambda c: (c["prompt_index"], c["index"]))
 
-    @staticmethod
-    def reward_item(problems: list[Problem], choice: dict):
-        """One response as the reward service scores it: normalised text against the task's answer."""
+    def reward_item(self, problems: list[Problem], choice: dict):
+        """One response as the reward service scores it: normalised text (task.answer = lenient: the integer
+        it states) against the task's answer."""
         from rlslurm.reward.scorers import Item
 
         problem = problems[choice["prompt_index"]]
-        return Item(id=choice_id(choice), response=normalize(choice["text"]), prompt=problem.prompt,
+        return Item(id=choice_id(choice), response=self.format.answer_text(choice["text"]), prompt=problem.prompt,
                     reference=problem.target)
 
     # -- one step's experience: made here (synchronous) or ahead by the pipeline (rlslurm/rl/pipeline.py) --
@@ -399,18 +402,28 @@ class Controller:
         exp.stats.update(stamp_staleness(exp, version, self.job.rl.max_staleness, step))
         return exp
 
-    def sync_weights(self, weights: dict[str, torch.Tensor], version: int, guard: PhaseGuard) -> dict:
-        """DRAIN -> UPDATE -> VERIFY -> RESUME to `version`, between two rollouts: the rollouts scheduled on
-        the older weights finish first, the ones scheduled on these start after (rlslurm/rl/pipeline.py)."""
-        self.pipeline.before_sync(version, guard)
+    def sync_weights(self, weights: dict[str, torch.Tensor], *, step: int, version: int, guard: PhaseGuard) -> dict:
+        """DRAIN -> UPDATE -> VERIFY -> RESUME to `version` (the policy at step boundary `step`), between two
+        rollouts: the ones scheduled on older weights finish first, the ones scheduled on these start
+        after (rlslurm/rl/pipeline.py). Returns the sync's metrics."""
+        t = time.monotonic()
+        self.pipeline.before_sync(step, guard)
+        waited_s = time.monotonic() - t
         metrics = self.sync.sync(weights, version=version).metrics()
-        self.pipeline.synced(version)
-        return metrics
+        self.pipeline.synced(step)
+        return {**metrics, "sync_wait_rollout_s": waited_s}
 
     def experience_buffer(self, step: int, guard: PhaseGuard) -> list[dict]:
         """The experience made ahead of step boundary `step` (rl.max_staleness > 0), for the RL state of a
         checkpoint there: the resumed run trains on it as the uninterrupted run would have."""
         return [{"step": m, "experience": exp.to_json()} for m, exp in self.pipeline.buffered(step, guard).items()]
+
+    @staticmethod
+    def forget_experience(step: int, rl_state: dict) -> None:
+        """Step `step` was abandoned (SLURM stops the job): keep it out of the drain checkpoint's buffer, so
+        the resumed job makes it again rather than train on what the stopping services returned."""
+        if "experience_buffer" in rl_state:
+            rl_state["experience_buffer"] = [e for e in rl_state["experience_buffer"] if e["step"] != step]
 
     def _rollout_step(self, step: int, guard) -> dict:
         """Step `step`'s prompts through the engines. Each engine's responses are scored as they arrive (the
@@ -419,13 +432,14 @@ class Controller:
         with guard.phase("data", step=step):
             problems = self.prompts(step)
         assembler = GroupAssembler(problems, self.job.rl.samples_per_prompt,
-                                   lambda text: self.tokenizer(text)["input_ids"])
+                                   self.format.encode)
         scoring = self.rewards.begin(step) if self.rewards is not None else None
 
         def arrived(batch: list[dict]) -> None:
             assembler.add_choices(batch)
             if scoring is None:
-                assembler.add_rewards({choice_id(c): score(problems[c["prompt_index"]], c["text"]) for c in batch})
+                assembler.add_rewards({choice_id(c): self.format.score(problems[c["prompt_index"]], c["text"])
+                                       for c in batch})
             else:
                 scoring.submit([self.reward_item(problems, c) for c in batch],
                                on_outcomes=lambda outcomes: assembler.add_rewards({o.id: o.score for o in outcomes}))
@@ -464,9 +478,9 @@ class Controller:
     def evaluate(self) -> float:
         """Greedy held-out accuracy of the policy the engines serve now."""
         client = self.engines.clients[0]
-        out = client.completions([p.prompt for p in self.held_out], n=1, temperature=0.0,
+        out = client.completions([self.format.text(p.prompt) for p in self.held_out], n=1, temperature=0.0,
                                  max_tokens=self.job.rollout.max_new_tokens)
-        correct = sum(score(p, c["text"]) for p, c in zip(self.held_out, out["choices"]))
+        correct = sum(self.format.score(p, c["text"]) for p, c in zip(self.held_out, out["choices"]))
         return correct / len(self.held_out)
 
 
@@ -532,7 +546,7 @@ def run(job: JobConfig, run_dir: str | Path) -> int:
         with guard:
             model_dir = initial_model_dir(job, run_, topo)
             policy = Policy(job, topo, model_dir)
-            controller = Controller(job, run_, model_dir, load_hf(model_dir)[1]) if topo.is_main else None
+            controller = Controller(job, run_, model_dir, policy.tokenizer) if topo.is_main else None
             code = _loop(job, run_, topo, gate, guard, policy, controller)
             # Leave together (done or drained): a rank tearing gloo down while a peer still talks to
             # the store that rank 0 hosts aborted with "terminate called without an active exception".
@@ -572,6 +586,14 @@ def _stopped_by_slurm(gate: DrainGate, grace_s: float = 2.0) -> bool:
     return gate.signal_name == "SIGTERM"
 
 
+def _degraded_by_slurm_stop(exp: Experience | None, gate: DrainGate, grace_s: float = 0.5) -> int:
+    """Responses of `exp` degraded because SLURM stops the job (0 when none, or no SIGTERM came): its
+    SIGTERM reached the reward component too, whose service went away mid-step. Trained, they would put
+    neutral rewards into the drain checkpoint; the step is given up and the resumed job makes it again."""
+    degraded = exp.stats.get("reward_degraded", 0) if exp is not None else 0
+    return degraded if degraded and _stopped_by_slurm(gate, grace_s) else 0
+
+
 def _drain(job, run, topo, gate, controller, *, step, save, cost_s, time_left_s) -> int:
     """Every role drains at the step the trainer ranks agreed on: the engines stop taking prompts and
     finish what is in flight, the trainer checkpoints, the leader requeues the whole het job."""
@@ -605,6 +627,8 @@ def _loop(job, run, topo, gate, guard, policy, controller) -> int:
         if "eval_history" not in rl_state:
             rl_state["eval_history"] = [[step, controller.evaluate()]]
             events.emit(run, "eval", step=step, held_out_accuracy=rl_state["eval_history"][-1][1])
+        # rl.max_staleness > 0: from here on the next steps' rollouts run while this one trains.
+        controller.start_experience(step, version, rl_state)
     last_saved = step if step else None
     first_step = True
     while True:
@@ -637,10 +661,17 @@ def _loop(job, run, topo, gate, guard, policy, controller) -> int:
                 if not _stopped_by_slurm(gate):
                     raise
                 events.emit(run, "step_abandoned", step=step, reason=f"SLURM stops the job and its engines: {e}")
+            degraded = _degraded_by_slurm_stop(box[0], gate)
+            if degraded:
+                events.emit(run, "step_abandoned", step=step, reason=f"SLURM stops the job and its reward "
+                                                                     f"service: {degraded} responses degraded")
+                box = [None]
         with guard.phase("wait_experience", step=step):
             dist.broadcast_object_list(box, src=0)
         exp: Experience | None = box[0]
         if exp is None:
+            if controller is not None:  # abandoned: the resumed job makes it again, not from the checkpoint
+                controller.forget_experience(step, rl_state)
             continue  # to the step boundary, where every rank drains at `step` (rank 0's flag reaches them)
         t = time.monotonic()
         with guard.phase("train", step=step):
@@ -653,7 +684,9 @@ def _loop(job, run, topo, gate, guard, policy, controller) -> int:
             t = time.monotonic()
             with guard.phase("sync", step=step):
                 try:
-                    sync_metrics = controller.sync.sync(policy.weights(), version=version).metrics()
+                    sync_metrics = controller.sync_weights(policy.weights(), step=step, version=version, guard=guard)
+                    if job.rl.max_staleness:  # a checkpoint at this boundary keeps the steps made ahead
+                        rl_state["experience_buffer"] = controller.experience_buffer(step, guard)
                 except RlslurmError as e:
                     if not _stopped_by_slurm(gate):
                         raise
@@ -684,11 +717,15 @@ def _loop(job, run, topo, gate, guard, policy, controller) -> int:
                      exp.stats["rollout_s"], train_s, sync_s,
                      f" acc {record['held_out_accuracy']:.3f}" if "held_out_accuracy" in record else "")
         first_step = False
+        if job.train.step_delay_s:
+            with guard.phase("train", step=step):
+                threading.Event().wait(job.train.step_delay_s)  # stands in for compute: tests signal mid-run
         interval.observe_step(time.monotonic() - started)
     if last_saved != step:
         save(run, job, topo, policy, step, version, rl_state)
     if topo.is_main:
-        save_hf(policy.model, run.path / "export" / "hf", max_new_tokens=job.rollout.max_new_tokens)
+        save_hf(policy.model, run.path / "export" / "hf", max_new_tokens=job.rollout.max_new_tokens,
+                tokenizer=policy.tokenizer)
         events.emit(run, "done", step=step, policy_version=version,
                     held_out_accuracy=rl_state.get("eval_history", [[0, None]])[-1][1])
     return ExitCode.DONE
@@ -755,8 +792,6 @@ def run_reward(job: JobConfig, run_dir: str | Path) -> int:
     RewardServiceError once its supervisor gave up (past reward.max_restarts); the supervisor's events
     reach the controller through the run directory, so its steps count the restarts.
     """
-    import threading
-
     from rlslurm.dist import node_address
     from rlslurm.errors import RewardServiceError
     from rlslurm.reward.session import announce
@@ -778,4 +813,5 @@ def run_reward(job: JobConfig, run_dir: str | Path) -> int:
             if sup.failed.is_set():
                 raise RewardServiceError(f"the reward service on {node} failed past reward.max_restarts = "
                                          f"{job.reward.max_restarts}; see {run_.logs}/reward-service.log")
+    log.info("reward service on %s stopped: exiting 0", node)
     return 0

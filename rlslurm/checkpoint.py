@@ -48,8 +48,8 @@ from rlslurm.rundir import RunDir
 MANIFEST = "manifest.json"
 LATEST = "latest"
 PAUSE_ENV = "RLSLURM_TEST_PAUSE_IN_CHECKPOINT_S"
-"""Test hook: `S` or `S@STEP` pauses S seconds after the first file of a save (at step >= STEP), so a
-test can SIGKILL the writer while the checkpoint is half written."""
+"""Test hook: `S`, `S@STEP` or `S@FIRST-LAST` pauses S seconds after the first file of a save (of a step
+>= STEP, or in FIRST..LAST), so a test can SIGKILL the writer while the checkpoint is half written."""
 
 _COMPLETE = re.compile(r"^step-(\d{8})$")
 _TMP = re.compile(r"^\.tmp-step-(\d{8})-(\d+)$")
@@ -101,8 +101,9 @@ def _pause_for_test(step: int) -> None:
     spec = os.environ.get(PAUSE_ENV)
     if not spec:
         return
-    seconds, _, from_step = spec.partition("@")
-    if step >= int(from_step or 0):
+    seconds, _, steps = spec.partition("@")
+    first, _, last = steps.partition("-")
+    if int(first or 0) <= step <= (int(last) if last else step):
         time.sleep(float(seconds))  # test hook only: the process is meant to be killed in here
 
 

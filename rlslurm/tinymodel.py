@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 
 from rlslurm.errors import ConfigError
 from rlslurm.modelspec import ModelConfig
-from rlslurm.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB, save_tokenizer
+from rlslurm.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB, is_embedded, save_model_tokenizer, save_tokenizer
 
 # Files that make an exported directory complete; readers check for these.
 HF_FILES = ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
@@ -69,16 +69,29 @@ def build_model(model: ModelConfig, seed: int) -> LlamaForCausalLM:
     return net
 
 
-def save_hf(model: torch.nn.Module, directory: str | Path, max_new_tokens: int = 8) -> Path:
-    """Write `model` + tokenizer in HF layout at `directory`, atomically (temp dir, then rename)."""
+def save_hf(model: torch.nn.Module, directory: str | Path, max_new_tokens: int = 8, tokenizer=None) -> Path:
+    """Write `model` + tokenizer in HF layout at `directory`, atomically (temp dir, then rename).
+
+    `tokenizer`: None or the embedded one = the embedded tokenizer, built here; a real model's own
+    (rlslurm/models/) is written as it is, with a greedy generation config from its special token ids.
+    """
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     model = getattr(model, "module", model)  # unwrap DistributedDataParallel
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
     try:
-        model.generation_config = generation_config(max_new_tokens)
-        model.save_pretrained(str(tmp), safe_serialization=True)
-        save_tokenizer(tmp, max_length=model.config.max_position_embeddings)
+        if tokenizer is None or is_embedded(tokenizer):
+            model.generation_config = generation_config(max_new_tokens)
+            model.save_pretrained(str(tmp), safe_serialization=True)
+            save_tokenizer(tmp, max_length=model.config.max_position_embeddings)
+        else:
+            eos = tokenizer.eos_token_id
+            model.generation_config = GenerationConfig(
+                bos_token_id=tokenizer.bos_token_id, eos_token_id=eos,
+                pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos,
+                do_sample=False, max_new_tokens=max_new_tokens)
+            model.save_pretrained(str(tmp), safe_serialization=True)
+            save_model_tokenizer(tokenizer, tmp, max_length=model.config.max_position_embeddings)
         for name in HF_FILES:
             _fsync(tmp / name)
         _replace_dir(tmp, directory)

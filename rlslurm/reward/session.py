@@ -19,7 +19,8 @@ reward component's node. A `reward_service_gave_up` there fails the step (Reward
 
 On SLURM the component writes <run>/endpoints/reward.json {url, node, pid, job_id, restart_count}
 (`announce`); the controller takes the file of this start of the job only (`wait_for_url`), since a
-requeued job finds the previous start's file there until the new component replaces it.
+requeued job finds the previous start's file there until the new component replaces it. The URL taken
+is recorded as a `reward_endpoint` event (job id, restart count, seconds waited).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from rlslurm import lifecycle
+from rlslurm import events, lifecycle
 from rlslurm.diag.config import DiagConfig
 from rlslurm.errors import RewardServiceError
 from rlslurm.reward.client import Outcome, RewardClient, StepScores
@@ -125,9 +126,11 @@ class RewardSession:
              component: bool = False) -> "RewardSession":
         """`component`: the URL the reward het component announces; else a supervised service here."""
         if component:
-            url = wait_for_url(run, cfg.start_timeout_s, job_id=lifecycle.leader_job_id(),
-                               restart_count=lifecycle.restart_count())
+            job_id, restarts, started = lifecycle.leader_job_id(), lifecycle.restart_count(), time.monotonic()
+            url = wait_for_url(run, cfg.start_timeout_s, job_id=job_id, restart_count=restarts)
             log.info("reward service of the reward component at %s", url)
+            events.emit(run, "reward_endpoint", role="controller", url=url, job_id=job_id, restart_count=restarts,
+                        waited_s=round(time.monotonic() - started, 3))
             return cls(cfg, run, url, None)
         supervisor = RewardSupervisor(cfg, run=run, diag=diag)
         supervisor.start()

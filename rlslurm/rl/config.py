@@ -18,7 +18,8 @@ class RLConfig:
     kl_coef: float = 0.0
     """Weight of the KL penalty to the reference (initial) policy; 0 = no reference model."""
     max_staleness: int = 0
-    """Policy versions a sample may lag behind the trainer; 0 = synchronous."""
+    """Policy versions a sample may lag behind the trainer (k): step n + k's rollout and reward run on policy
+    n while step n trains (rlslurm/rl/pipeline.py, docs/rl-overlap.md); 0 = synchronous."""
     eval_every: int = 5
     """Steps between two greedy held-out evaluations of the served policy (also at the start and the end)."""
 

@@ -45,7 +45,8 @@ Threads: the producer (`rl-experience`) never touches the phase guard (beats fro
 would hide a wedged main thread); it counts progress in a ProducerGuard, and the main thread, waiting in
 `take`/`before_sync`/`buffered`, beats its own guard each time that count moves. Its errors are raised in
 the main thread by the call that waits for the step that failed. Lifecycle: `start()` once, `close()`
-once (it stops the producer between calls; an HTTP call in flight ends by its own timeout).
+once (it stops the producer between calls; an HTTP call in flight ends by its own timeout, or when
+the engines it talks to stop: `stop()` first, then the engines, then `close()`).
 """
 
 from __future__ import annotations
@@ -185,11 +186,15 @@ class ExperiencePipeline(Generic[P]):
         with self._cond:
             return {m: self._ready[m] for m in steps}
 
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Stop the producer at its next wait and forget what it made (idempotent)."""
+    def stop(self) -> None:
+        """Stop the producer at its next wait and forget what it made (idempotent, returns at once)."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """`stop`, then wait (bounded) for the producer thread to end."""
+        self.stop()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
             if self._thread.is_alive():
@@ -234,8 +239,9 @@ class ExperiencePipeline(Generic[P]):
                 exp = self._finish(pending, self.guard)
             except BaseException as e:  # raised in the main thread by whoever waits for this step
                 with self._cond:
-                    if not self._closed:
-                        log.error("experience of step %d failed: %s: %s", m, type(e).__name__, e)
+                    if not self._closed:  # a drain refusing the next rollout lands here too: not fatal yet
+                        log.warning("experience of step %d failed (raised when the trainer waits for it): %s: %s",
+                                    m, type(e).__name__, e)
                     self._error = (m, e)
                     self._cond.notify_all()
                 return

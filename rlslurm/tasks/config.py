@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from rlslurm.configfile import check
+from rlslurm.configfile import FieldError, check
 
 
 def distinct_problems(max_operand: int, operations: tuple[str, ...]) -> int:
@@ -29,6 +29,16 @@ class TaskConfig:
     """Generated held-out problems (disjoint from train)."""
     seed: int = 1234
     """Seed of the data generator: the same seed gives the same splits on every rank and every run."""
+    prompt_style: Literal["plain", "chat"] = "plain"
+    """plain = the model sees the bare prompt ("12+7=", the embedded model's SFT format); chat = the problem,
+    phrased by `chat_question`, as one user message through the model's own chat template (a pretrained
+    instruct model, e.g. examples/smollm2-grpo.yaml). See rlslurm/tasks/prompts.py."""
+    chat_question: str = "What is {a} {op} {b}? Answer with the number only."
+    """The user message of prompt_style = chat; {a}, {op} and {b} are the problem's operands and operator."""
+    answer: Literal["exact", "lenient"] = "exact"
+    """How a response is read: exact = the whole response must be the integer (after whitespace and special
+    tokens are dropped); lenient = the first integer after the first '=', or the first integer when there is
+    no '=' ("12 + 7 = 19", "The answer is 19." both state 19): what a chat model's prose needs."""
 
     def __post_init__(self):
         check(self.max_operand >= 1, "max_operand", "must be >= 1")
@@ -40,3 +50,7 @@ class TaskConfig:
               f"+ task.eval_size = {self.eval_size} exceeds the {total} distinct problems that "
               f"task.max_operand = {self.max_operand} and task.operations = {list(self.operations)} allow "
               f"(the splits must be disjoint)")
+        try:
+            self.chat_question.format(a=1, op="+", b=2)
+        except (KeyError, IndexError, ValueError) as e:
+            raise FieldError("chat_question", f"may name only {{a}}, {{op}} and {{b}} ({type(e).__name__}: {e})") from None

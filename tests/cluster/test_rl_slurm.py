@@ -1,20 +1,26 @@
 """The RL job (jobs/rl.py, GRPO on the embedded tiny model) on the real local cluster: as a het job with
 the trainer on a `train` node and the engine on a `rollout` node, synced by disk and by broadcast; as a
-plain job with the engine colocated on the trainer's node, synced by ipc; and stopped mid-run (USR1,
-`rlslurm drain <jobid>`, `scontrol requeue`): every role drains, the job checkpoints, requeues, and
-resumes at the same step and policy version, and its reward/loss trajectory equals the uninterrupted
-run's. Prints MEASURE lines (-s shows them); ~4 min on 2 shared cores.
+plain job with the engine colocated on the trainer's node, synced by ipc; as a 3-component het job with
+the reward service on the `cpu` node; and stopped mid-run every way the spine knows (USR1, `rlslurm
+drain <jobid>`, `scontrol requeue`, preemption by the `urgent` partition, SIGKILL of rank 0 while it
+writes a checkpoint, a real 1-minute time limit with its USR1): every role drains or dies, the job
+resumes from the right checkpoint, and its reward/loss trajectory equals the uninterrupted run's.
+Prints MEASURE lines (-s shows them); ~7 min on 2 shared cores.
 
     RLSLURM_SLURM_PORT_BASE=21817 python -m pytest -q -s tests/cluster/test_rl_slurm.py
 
 All runs start from one short SFT export (made locally once, ~30 s), so rewards vary within groups and
-the losses are not all zero. Same seeds, same 2 trainer ranks, one engine on 1 thread: every run here
-must produce the same trajectory, whatever the sync method and however often it was stopped.
+the losses are not all zero. Same seeds, same 2 trainer ranks, one engine on 1 thread, the rule reward
+inline or in the service: every run here must produce the same trajectory, whatever the sync method and
+however often it was stopped. The time-limit job needs minutes of allocations, so it is submitted first
+(an autouse fixture) and runs on the second train and rollout nodes while the other tests run.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -23,9 +29,10 @@ import yaml
 from click.testing import CliRunner
 
 from rlslurm import launch
-from rlslurm.checkpoint import step_dirname
+from rlslurm.checkpoint import PAUSE_ENV, latest_complete, step_dirname
 from rlslurm.cli.main import cli
 from rlslurm.config import load_config
+from rlslurm.errors import SlurmCommandError
 from rlslurm.rundir import RunDir, read_jsonl
 from rlslurm.slurm import commands
 import spine_util as su
@@ -46,6 +53,13 @@ def _cancel_and_tidy_at_end(slurm_cluster):
         print(f"\ncleanup: {line}")
 
 
+TIMELIMIT = {"step_delay_s": 1.0, "time_limit_min": 1, "signal_before_s": 5, "max_no_progress_restarts": 10}
+"""The time-limit job: 40 steps of >= 1 s (the delay stands in for compute) outlast a 1-minute allocation,
+whose USR1 comes 5 s before the limit or up to ~30 s earlier (SLURM checks time limits every 30 s)."""
+TIMELIMIT_TIMEOUT_S = 420
+"""Bound on the time-limit job: 2-4 allocations of <= 60 s, ~10 s of requeue between them, on shared cores."""
+
+
 @pytest.fixture(scope="module")
 def sft_export(tmp_path_factory) -> Path:
     """A short SFT of examples/tiny-sft.yaml (held-out accuracy ~0.05): some samples of a group are right
@@ -60,20 +74,27 @@ def sft_export(tmp_path_factory) -> Path:
     return export
 
 
-def rl_config(path: Path, run_root: Path, init_from: Path, *, method: str, colocate: bool = False) -> Path:
-    """The RL job's YAML: separate = 1 train node (2 ranks) + 1 rollout node (1 engine); colocate = 1 node."""
+def rl_config(path: Path, run_root: Path, init_from: Path, *, method: str, colocate: bool = False,
+              reward_component: bool = False, step_delay_s: float = 0.0, time_limit_min: int = 5,
+              signal_before_s: int = 30, max_no_progress_restarts: int = 3) -> Path:
+    """The RL job's YAML: separate = 1 train node (2 ranks) + 1 rollout node (1 engine); colocate = 1 node.
+    reward_component: + the reward service as het component 2 on the `cpu` partition (n5); else inline."""
     data = {
         "job": {"name": path.stem, "kind": "rl"},
         "hardware": {"profile": "cpu", "nodes": 1 if colocate else 2, "gpus_per_node": 2},
         "placement": {"mode": "colocate"} if colocate else {"mode": "separate", "rollout_nodes": 1},
-        "train": {"steps": STEPS, "lr": 3.0e-4, "seed": 0, "init_from": str(init_from)},
+        "train": {"steps": STEPS, "lr": 3.0e-4, "seed": 0, "init_from": str(init_from), "step_delay_s": step_delay_s},
         "rl": {"prompts_per_step": 16, "samples_per_prompt": 8, "eval_every": 100},
         "rollout": {"engines": 1, "max_new_tokens": 8, "temperature": 1.0},
         "task": {"max_operand": 99, "operations": ["+", "-"], "train_size": 4000, "eval_size": 200, "seed": 1234},
         "sync": {"method": method},
-        "checkpoint": {"interval_steps": 4, "kill_wait_s": su.KILL_WAIT_S, "cost_s": 0.5},
-        "cluster": {"backend": "slurm", "time_limit_min": 5, "signal_before_s": 30, "run_root": str(run_root)},
+        "checkpoint": {"interval_steps": su.INTERVAL, "kill_wait_s": su.KILL_WAIT_S, "cost_s": 0.5,
+                       "max_no_progress_restarts": max_no_progress_restarts},
+        "cluster": {"backend": "slurm", "time_limit_min": time_limit_min, "signal_before_s": signal_before_s,
+                    "run_root": str(run_root)},
     }
+    if reward_component:
+        data["reward"] = {"service": "component", "partition": "cpu", "batch_size": 64}
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
 
@@ -94,9 +115,8 @@ def wall_s(run: Path) -> float:
     return done["t"] - submitted["t"]
 
 
-def run_rl(slurm_cluster, tmp_path: Path, init_from: Path, method: str, *, colocate: bool = False) -> Path:
-    sub = su.submit(rl_config(tmp_path / f"rl-{method}.yaml", tmp_path / "runs", init_from, method=method,
-                              colocate=colocate))
+def run_rl(slurm_cluster, tmp_path: Path, init_from: Path, method: str, **config) -> Path:
+    sub = su.submit(rl_config(tmp_path / f"rl-{method}.yaml", tmp_path / "runs", init_from, method=method, **config))
     su.wait_done(sub.job_id, sub.run_dir, JOB_TIMEOUT_S, slurm_cluster.kick)
     return sub.run_dir
 
@@ -124,6 +144,18 @@ def assert_engines_exited_cleanly(run: Path, starts: int) -> None:
     assert engine_logs.count("stopped: exiting 0") == starts, engine_logs[-2000:]
     srun_logs = "".join(p.read_text(errors="replace") for p in (run / "logs" / "submitit").glob("*_0_log.err"))
     assert "task 0: Killed" not in srun_logs and "task 0: Terminated" not in srun_logs, srun_logs[-2000:]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def timelimit_job(_cancel_and_tidy_at_end, request, tmp_path_factory):
+    """The time-limit job, submitted before the module's other jobs when its test is selected: its
+    allocations (minutes) run on the second train and rollout nodes while the other tests run; its test,
+    last in the file, waits for it."""
+    if not any(item.name.startswith("test_time_limit_drains_the_rl_job") for item in request.session.items):
+        return None
+    root = tmp_path_factory.mktemp("timelimit")
+    return su.submit(rl_config(root / "rl-timelimit.yaml", root / "runs", request.getfixturevalue("sft_export"),
+                               method="disk", **TIMELIMIT))
 
 
 @pytest.fixture(scope="module")
@@ -258,3 +290,173 @@ def test_drain_mid_rl_requeues_and_resumes_same_step_version_and_trajectory(slur
     assert_engines_exited_cleanly(run, starts=2)
     print("\n" + su.measure_line(f"RL drain by {trigger}", su.restart_timing(run, requeued_at, 1))
           + f" [asked at step >= 3, drained at step {step}, {drained['t'] - asked_at:.2f} s after the ask]")
+
+
+# -- the reward service as het component 2, and the spine's other stops (preemption, SIGKILL, time limit) --
+
+def assert_rewards_scored(run: Path) -> None:
+    """Every trained step has the reward metrics and nothing degraded, dropped or restarted: each response
+    was scored by the service, as the inline rule would."""
+    keys = ("reward_degraded", "reward_degraded_ratio", "reward_dropped", "reward_restarts")
+    rows = steps(run)
+    assert rows and all(set(keys) <= set(m) for m in rows)
+    assert {tuple(m[k] for k in keys) for m in rows} == {(0, 0.0, 0, 0)}
+    assert not su.events(run, "reward_degraded") and not su.events(run, "reward_service_gave_up")
+
+
+def assert_reward_component(run: Path, job_id: str, restarts: int) -> None:
+    """Each start of the job ran the reward service as het component 2 on the `cpu` node (n5), stopped it
+    cleanly, and its controller used the endpoint of its own start (never a stale reward.json)."""
+    rewards = su.placements(run, "reward")
+    assert sorted(p["restart_count"] for p in rewards) == list(range(restarts + 1))
+    assert {(p["node"], p["partition"], p["job_id"]) for p in rewards} == {("n5", "cpu", job_id)}
+    started = [e for e in su.events(run, "component_started") if e["component_role"] == "reward"]
+    assert [(e["partition"], e["nodes"]) for e in started] == [("cpu", ["n5"])] * (restarts + 1)
+    announced = json.loads((run / "endpoints" / "reward.json").read_text())
+    assert (announced["node"], announced["job_id"], announced["restart_count"]) == ("n5", job_id, restarts)
+    used = su.events(run, "reward_endpoint")
+    assert [(e["restart_count"], e["job_id"]) for e in used] == [(k, job_id) for k in range(restarts + 1)]
+    assert used[-1]["url"] == announced["url"]
+    logs = "".join(p.read_text(errors="replace") for p in (run / "logs").glob("reward-[0-9]*.log"))
+    assert logs.count("reward service on n5 stopped: exiting 0") == restarts + 1, logs[-2000:]
+
+
+def last_rl_step(run: Path) -> int:
+    return max((m["step"] for m in steps(run)), default=0)
+
+
+def test_reward_component_het_job_matches_inline_reward(slurm_cluster, sft_export, reference, tmp_path):
+    run = run_rl(slurm_cluster, tmp_path, sft_export, "disk", reward_component=True)
+    (job_id,) = {s["job_id"] for s in read_jsonl(run / "submissions.jsonl")}
+    by_role = {(p["role"], p["rank"]): p for p in su.placements(run, restart=0)}
+    assert sorted(by_role) == [("reward", 0), ("rollout", 0), ("train", 0), ("train", 1)]
+    assert by_role["train", 0]["partition"] == "train" and by_role["rollout", 0]["partition"] == "rollout"
+    rows = commands.show_job(job_id)
+    assert sorted((r["HetJobOffset"], r["Partition"], r["NodeList"]) for r in rows)[2] == ("2", "cpu", "n5")
+    assert sorted((r["HetJobOffset"], r["Partition"]) for r in rows) == [("0", "train"), ("1", "rollout"), ("2", "cpu")]
+    assert su.state(job_id) == "COMPLETED"
+    assert_reward_component(run, job_id, restarts=0)
+    assert_rewards_scored(run)
+    assert_synced_every_step(run, "disk")
+    assert_engines_exited_cleanly(run, starts=1)
+    # The service's rule scorer is the inline rule: the same rewards, so the same samples and losses.
+    assert trajectory(run) == trajectory(reference)
+    print(f"\nMEASURE RL 3-component het job (reward on cpu): {wall_s(run):.1f} s submit -> done "
+          f"({STEPS} steps, {sum(m['step_s'] for m in steps(run)):.1f} s in steps, "
+          f"{sum(m['reward_s'] for m in steps(run)):.2f} s in reward tails)")
+
+
+def test_preemption_of_the_three_component_job_resumes_within_one_interval(slurm_cluster, sft_export, reference,
+                                                                          tmp_path):
+    sub = su.submit(rl_config(tmp_path / "rl-preempt.yaml", tmp_path / "runs", sft_export, method="broadcast",
+                              reward_component=True))
+    run = sub.run_dir
+    su.wait_for("RL step 6", lambda: last_rl_step(run) >= 6, JOB_TIMEOUT_S)
+    node = su.train_node(sub)
+    step_at_preemption, preempted_at = last_rl_step(run), time.time()
+    # One task on exactly the trainer's node: it fits only if the RL job (both CPUs there) goes.
+    urgent = commands.sbatch(["--partition=urgent", f"--nodelist={node}", "--ntasks=1", "--time=1",
+                              "--job-name=urgent", f"--output={tmp_path / 'urgent-%j.out'}", "--wrap=sleep 2"])
+    su.wait_done(sub.job_id, run, JOB_TIMEOUT_S, slurm_cluster.kick)
+
+    urgent_rec = commands.show_job(urgent)[0]
+    assert urgent_rec["JobState"] == "COMPLETED" and urgent_rec["NodeList"] == node
+    # SLURM's SIGTERM to every component at once: the trainer drains at the next boundary.
+    (drained,) = su.events(run, "drained")
+    assert (drained["signal"], drained["requeued"]) == ("SIGTERM", "by SLURM (SIGTERM)")
+    (resume,) = su.events(run, "resume")
+    assert resume["restart_count"] == 1
+    # Work past the last checkpoint may be lost, never more than one interval.
+    assert step_at_preemption - su.INTERVAL <= resume["step"] <= drained["step"], (resume, step_at_preemption)
+    # The step in flight lost its engine or its reward service: given up, or trained before the sync failed.
+    # Never trained on rewards degraded by the stopping service (assert_rewards_scored).
+    lost = [e["step"] for e in su.events(run, "step_abandoned")] + [e["step"] for e in su.events(run, "sync_skipped")]
+    assert lost in ([], [drained["step"]]), lost
+    restarted = min(p["t"] for p in su.placements(run, "train", 1))
+    assert restarted > drained["t"] and resume["t"] > restarted  # back only after the urgent job had the node
+    assert_reward_component(run, sub.job_id, restarts=1)
+    assert_rewards_scored(run)
+    assert commands.show_job(sub.job_id)[0]["Restarts"] == "1"
+    assert trajectory(run) == trajectory(reference)
+    print("\n" + su.measure_line("RL 3-component preemption", su.restart_timing(run, preempted_at, 1))
+          + f" [step at preemption {step_at_preemption}, drained at {drained['step']}, resumed at {resume['step']}]")
+
+
+def test_sigkill_of_rank0_mid_checkpoint_resumes_from_the_previous_complete(slurm_cluster, sft_export, reference,
+                                                                            tmp_path, monkeypatch):
+    kill_step = 4 * su.INTERVAL
+    # sbatch exports the submitter's environment: rank 0 pauses 3 s after the first file of the step-16
+    # save (only that step's), the window in which the test kills the writer.
+    monkeypatch.setenv(PAUSE_ENV, f"3@{kill_step}-{kill_step}")
+    sub = su.submit(rl_config(tmp_path / "rl-sigkill.yaml", tmp_path / "runs", sft_export, method="disk",
+                              reward_component=True))
+    monkeypatch.delenv(PAUSE_ENV)
+    run = RunDir(sub.run_dir)
+    half: list[Path] = []
+
+    def half_written() -> bool:
+        half[:] = [p for p in run.checkpoints.glob(f".tmp-{step_dirname(kill_step)}-*")
+                   if (p / "model.safetensors").is_file()]
+        return bool(half)
+    su.wait_for(f"a half-written {step_dirname(kill_step)} checkpoint", half_written, JOB_TIMEOUT_S, poll_s=0.05)
+    (tmp,) = half
+    writer_pid = int(tmp.name.rsplit("-", 1)[1])
+    (rank0,) = [p for p in su.placements(sub.run_dir, "train", 0) if p["rank"] == 0]
+    assert writer_pid == rank0["pid"]  # rank 0 writes; the temp dir is named after its pid
+    os.kill(writer_pid, signal.SIGKILL)  # a node dying mid-write: no manifest, no rename
+    killed_at = time.time()
+
+    def requeued() -> bool:
+        # Right after the kill the job may be COMPLETING, which scontrol refuses to requeue: try again.
+        try:
+            commands.requeue(sub.job_id)
+            return True
+        except SlurmCommandError as e:
+            su.log.info("requeue not accepted yet: %s", e)
+            return False
+    su.wait_for(f"SLURM to accept the requeue of {sub.job_id}", requeued, 30, poll_s=0.5)
+    su.wait_done(sub.job_id, sub.run_dir, JOB_TIMEOUT_S, slurm_cluster.kick)
+
+    skipped = su.events(sub.run_dir, "checkpoint_skipped")
+    assert [e["checkpoint"] for e in skipped] == [tmp.name]
+    assert skipped[0]["reason"] == f"incomplete: no manifest, writer pid {writer_pid} dead"
+    assert not tmp.exists()  # the dead writer's temp dir is tidied
+    (resume,) = su.events(sub.run_dir, "resume")
+    assert (resume["step"], resume["checkpoint"], resume["restart_count"]) == (
+        kill_step - su.INTERVAL, step_dirname(kill_step - su.INTERVAL), 1)
+    resync = next(e for e in su.events(sub.run_dir, "sync_verified") if e["t"] > resume["t"])
+    assert resync["version"] == kill_step - su.INTERVAL
+    assert latest_complete(run, tidy=False).step == STEPS
+    assert_reward_component(sub.run_dir, sub.job_id, restarts=1)
+    assert_rewards_scored(sub.run_dir)
+    assert trajectory(sub.run_dir) == trajectory(reference)
+    print("\n" + su.measure_line("RL SIGKILL mid-checkpoint + requeue", su.restart_timing(sub.run_dir, killed_at, 1)))
+
+
+def test_time_limit_drains_the_rl_job_before_the_kill_and_resumes_until_done(slurm_cluster, reference, timelimit_job):
+    sub = timelimit_job
+    su.wait_done(sub.job_id, sub.run_dir, TIMELIMIT_TIMEOUT_S, slurm_cluster.kick)
+    run = sub.run_dir
+    drained, resumes, requeues = su.events(run, "drained"), su.events(run, "resume"), su.events(run, "requeue")
+    restarts = int(commands.show_job(sub.job_id)[0]["Restarts"])
+    assert len(drained) >= 1 and len(resumes) == len(drained) == len(requeues) == restarts
+    for k, (d, r) in enumerate(zip(drained, resumes), start=1):
+        # The pre-timeout USR1 (kept as the control file when it came before the drain gate was up), not
+        # the kill's SIGTERM: drained, checkpointed and requeued by the job itself, within the allocation.
+        assert d["signal"] == "SIGUSR1" or "control file" in d["reason"], d
+        assert (d["requeued"], d["checkpoint"]) == (True, step_dirname(d["step"]))
+        assert (r["step"], r["checkpoint"], r["restart_count"]) == (d["step"], d["checkpoint"], k)
+        started = min(p["t"] for p in su.placements(run, "train", k - 1))
+        assert d["t"] - started < 60, f"allocation {k - 1} drained {d['t'] - started:.0f} s after its start"
+    assert not su.events(run, "drain_checkpoint_skipped") and not su.events(run, "step_abandoned")
+    assert all(e["state"] == "drained" for d in su.events(run, "engines_drained") for e in d["engines"].values())
+    assert su.state(sub.job_id) == "COMPLETED"
+    assert trajectory(run) == trajectory(reference)
+    seen = [e["t"] for e in su.events(run, "drain_requested") if (e["role"], e["rank"]) == ("train", 0)]
+    usr1_after_s = []
+    for k, d in enumerate(drained):
+        started = min(p["t"] for p in su.placements(run, "train", k))
+        usr1_after_s.append(round(min(t for t in seen if started <= t <= d["t"]) - started, 1))
+    print("\n" + su.measure_line("RL time-limit USR1", su.restart_timing(run, requeues[0]["t"], 1))
+          + f" [{restarts + 1} allocations, drained at steps {[d['step'] for d in drained]}, "
+          f"USR1 seen {usr1_after_s} s into the allocations]")

@@ -4,6 +4,9 @@ engine server process and verified weight sync; held-out greedy accuracy after R
 
     python -m pytest -q -s tests/integration/test_rl_learns.py     # ~50 s on 2 cores; -s prints the numbers
 
+The RL run here is the synchronous one (rl.max_staleness 0; test_rl_overlap.py runs ahead of the trainer).
+Both runs are session fixtures in conftest.py, shared with test_rl_overlap.py.
+
 Measured on this machine (seeds fixed by the examples): SFT 0.374, RL 0.503 / 0.569 / 0.594 after 20 / 40
 / 60 steps, of the same 1000 held-out problems; SFT ~15 s, RL ~20 s. Why the margin is 0.10: with 1000
 problems the standard error of an accuracy near 0.4-0.6 is ~1.6 %, of a difference of two ~2.2 % (less,
@@ -16,42 +19,23 @@ The gain holds across SFT budgets (single-process runs of the same recipe, 60 st
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from rlslurm import launch
-from rlslurm.config import load_config
 from rlslurm.events import read_events
-from rlslurm.rundir import RunDir, read_jsonl
+from rlslurm.rundir import RunDir
 
-ROOT = Path(__file__).resolve().parents[2]
-WAIT_S = 540
 MARGIN = 0.10
 
 
-def _submit(example: str, run_root: Path, overrides: tuple[str, ...] = ()):
-    path = ROOT / "examples" / example
-    job = load_config(path, overrides)
-    sub = launch.submit(job, config_text=path.read_text(), backend="local", run_root=run_root)
-    results = launch.wait(sub, timeout_s=WAIT_S, poll_s=0.5)
-    assert [int(code) for code in results] == [0] * len(results), f"{example} ended {results}; see {sub.run_dir}"
-    return job, sub.run_dir
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("learns")
-    sft_job, sft_dir = _submit("tiny-sft.yaml", root / "sft")
-    (sft_eval,) = [r for r in read_jsonl(sft_dir / "metrics.jsonl") if r.get("kind") == "sft_eval"]
-    rl_job, rl_dir = _submit("tiny-grpo.yaml", root / "rl", (f"train.init_from={sft_eval['export']}",))
-    steps = [r for r in read_jsonl(rl_dir / "metrics.jsonl") if "policy_version" in r]
-    evals = [(0, e["held_out_accuracy"]) for e in read_jsonl(rl_dir / "events.jsonl") if e["kind"] == "eval"]
-    evals += [(r["step"], r["held_out_accuracy"]) for r in steps if "held_out_accuracy" in r]
+def runs(sft, rl_sync) -> dict:
+    """The session's SFT and synchronous RL runs (tests/integration/conftest.py; test_rl_overlap.py shares them)."""
+    sft_eval, steps, evals = sft["eval"], rl_sync["steps"], rl_sync["evals"]
     print(f"\nSFT held-out accuracy {sft_eval['heldout_accuracy']:.3f} "
           f"({sft_eval['heldout_correct']}/{sft_eval['heldout_total']}, {sft_eval['wall_s']:.1f} s); "
           f"RL {' -> '.join(f'{a:.3f}@{s}' for s, a in evals)} ({sum(r['step_s'] for r in steps):.1f} s in steps)")
-    return {"sft_job": sft_job, "sft": sft_eval, "rl_job": rl_job, "rl_dir": rl_dir, "steps": steps, "evals": evals}
+    return {"sft_job": sft["job"], "sft": sft_eval, "rl_job": rl_sync["job"], "rl_dir": rl_sync["run_dir"],
+            "steps": steps, "evals": evals}
 
 
 def test_rl_beats_sft_on_held_out_problems(runs):

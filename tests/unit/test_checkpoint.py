@@ -159,3 +159,21 @@ def test_saving_a_step_again_replaces_it(run):
         ckpt.save_json("trainer", {"again": True})
     assert latest_complete(run).load_json("trainer") == {"again": True}
     assert sorted(p.name for p in run.checkpoints.iterdir()) == ["latest", "step-00000007"]
+
+
+@pytest.mark.parametrize("spec, paused", [("2", [0, 8, 16, 24]), ("2@16", [16, 24]), ("2@16-16", [16]),
+                                          ("2@8-16", [8, 16])])
+def test_the_pause_hook_picks_its_steps(monkeypatch, spec, paused):
+    """RLSLURM_TEST_PAUSE_IN_CHECKPOINT_S: the window in which the cluster tests SIGKILL a writer."""
+    import rlslurm.checkpoint as checkpoint
+
+    slept = []
+    monkeypatch.setenv(checkpoint.PAUSE_ENV, spec)
+    monkeypatch.setattr(checkpoint.time, "sleep", slept.append)
+    hit = []
+    for step in (0, 8, 16, 24):
+        before = len(slept)
+        checkpoint._pause_for_test(step)
+        if len(slept) > before:
+            hit.append(step)
+    assert hit == paused and set(slept) == {2.0}

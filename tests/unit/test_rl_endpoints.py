@@ -1,6 +1,8 @@
 """How the RL controller and its engines find each other on SLURM: the engines announce themselves in
-<run>/endpoints/engine-*.json, stamped with the job id and restart count, so a requeued job never talks
-to the previous allocation's engines; the broadcast group's store listens at rank 0's node address.
+<run>/endpoints/engine-*.json, the reward component in <run>/endpoints/reward.json, stamped with the job
+id and restart count, so a requeued job never talks to the previous allocation's engines or reward
+service; the broadcast group's store listens at rank 0's node address. And a step whose rewards were
+degraded because SLURM stops the job (its SIGTERM reached the reward service) is given up, not trained.
 
     python -m pytest -q tests/unit/test_rl_endpoints.py      # < 1 s
 """
@@ -11,8 +13,10 @@ import json
 
 import pytest
 
-from rlslurm.errors import RlslurmError
-from rlslurm.jobs.rl import sync_host, wait_for_endpoints
+from rlslurm.errors import RewardServiceError, RlslurmError
+from rlslurm.jobs.rl import _degraded_by_slurm_stop, sync_host, wait_for_endpoints
+from rlslurm.reward.session import announce, wait_for_url
+from rlslurm.rl.experience import Experience
 from rlslurm.rundir import RunDir
 
 
@@ -43,3 +47,31 @@ def test_broadcast_store_host_is_rank0_node_address(monkeypatch):
     assert sync_host() == "127.0.0.1"  # off SLURM the engines run beside rank 0
     monkeypatch.setenv("SLURMD_NODENAME", "localhost")  # a node name that resolves is used as it is
     assert sync_host() == "localhost"
+
+
+def test_reward_endpoint_of_the_previous_start_is_not_taken(tmp_path, monkeypatch):
+    run = RunDir(tmp_path / "run").create()
+    monkeypatch.setenv("RLSLURM_LEADER_JOB_ID", "42")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    announce(run, "http://n5:1", "n5")  # the reward component of the first allocation
+    with pytest.raises(RewardServiceError, match="job 42 restart 1 .* only a stale one"):
+        wait_for_url(run, 0.2, job_id="42", restart_count=1, poll_s=0.05)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    announce(run, "http://n5:2", "n5")  # the requeued job's component replaces it
+    assert wait_for_url(run, 0.2, job_id="42", restart_count=1, poll_s=0.05) == "http://n5:2"
+
+
+class _Gate:
+    def __init__(self, signal_name):
+        self.signal_name = signal_name
+
+
+@pytest.mark.parametrize("degraded, signal_name, abandoned", [
+    (3, "SIGTERM", 3),  # SLURM stops the job: its reward service went away mid-step
+    (3, None, 0),       # degraded for reasons of its own: reward.degrade decides, the step trains
+    (0, "SIGTERM", 0),  # scored in full before the service went: the step trains, the drain keeps it
+])
+def test_a_step_degraded_by_slurm_stopping_the_job_is_given_up(degraded, signal_name, abandoned):
+    exp = Experience([], {"reward_degraded": degraded}, {})
+    assert _degraded_by_slurm_stop(exp, _Gate(signal_name), grace_s=0.01) == abandoned
+    assert _degraded_by_slurm_stop(None, _Gate("SIGTERM"), grace_s=0.01) == 0

