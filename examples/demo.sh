@@ -13,4 +13,5 @@ sft=$(ls -td "$root"/tiny-sft-* | head -n 1)
   --set "train.init_from=$sft/export/hf"
 rl=$(ls -td "$root"/tiny-grpo-* | head -n 1)
 "$rlslurm" status "$rl"
+"$rlslurm" report "$rl"     # report.png + report.html under $rl/report
 grep -h '"held_out_accuracy"\|"heldout_accuracy"' "$sft/metrics.jsonl" "$rl/metrics.jsonl" | tail -n 3

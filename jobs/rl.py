@@ -1,6 +1,7 @@
 """The RL entrance: GRPO on the task, with rollout engines, a reward, and verified weight sync.
 
     rlslurm submit examples/tiny-grpo.yaml            # starts from train.init_from (the SFT export) as it is
+    rlslurm submit examples/smollm2-grpo.yaml         # a real pretrained model, chat template (docs/real-model.md)
 
 Every trainer rank runs `run(job, run_dir)`; rank 0 is also the controller. One step reads like the
 diagram in DESIGN.md, each phase inside the phase guard:
@@ -186,6 +187,16 @@ class Policy:
                 "stale_logprob_drift": drift}
 
 
+def make_policy(job: JobConfig, topo: Topology, model_dir: Path):
+    """train.backend: torch = Policy above (DDP); megatron = rlslurm/megatron/policy.py (same interface,
+    GPU only: on CPU it raises an RlslurmError naming the fix)."""
+    if job.train.backend == "megatron":
+        from rlslurm.megatron.policy import MegatronPolicy
+
+        return MegatronPolicy(job, topo, model_dir)
+    return Policy(job, topo, model_dir)
+
+
 # -- the controller (rank 0) ---------------------------------------------------------------------------
 
 class Engines:
@@ -209,7 +220,9 @@ class Engines:
                 proc = spawn_engine(model_dir, port=free_port(), log_path=run.logs / f"engine-{i}.log",
                                     extra_args=["--threads", "1"],
                                     env={"RLSLURM_RUN_DIR": str(run.path), "RLSLURM_ROLE": "rollout",
-                                         "RLSLURM_RANK": str(i)},
+                                         "RLSLURM_RANK": str(i),
+                                         # the vLLM engine's share of a GPU (rollout/vllm_engine.py)
+                                         "RLSLURM_GPU_MEMORY_UTILIZATION": str(job.rollout.gpu_memory_utilization)},
                                     timeout_s=job.rollout.request_timeout_s,
                                     engine=job.rollout.engine, python=job.rollout.python)
                 self.processes.append(proc)
@@ -545,7 +558,7 @@ def run(job: JobConfig, run_dir: str | Path) -> int:
     try:
         with guard:
             model_dir = initial_model_dir(job, run_, topo)
-            policy = Policy(job, topo, model_dir)
+            policy = make_policy(job, topo, model_dir)
             controller = Controller(job, run_, model_dir, policy.tokenizer) if topo.is_main else None
             code = _loop(job, run_, topo, gate, guard, policy, controller)
             # Leave together (done or drained): a rank tearing gloo down while a peer still talks to

@@ -96,6 +96,11 @@ class JobConfig:
         if self.reward.service == "component":
             check(bool(self.reward.partition), "reward.partition",
                   "is required when reward.service = 'component' (the SLURM partition of the reward component)")
+        if self.train.backend == "megatron":
+            from rlslurm.megatron.policy import job_rules  # torch only at import; megatron when it runs
+
+            for key, message in job_rules(self):
+                raise FieldError(key, message)
         m = self.model
         for rule in static_rules(self.parallel, m.layers, m.heads, m.n_kv_heads, m.experts, hw.gpus_per_node,
                                  self.rollout.tp):

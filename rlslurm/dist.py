@@ -104,6 +104,10 @@ def init_process_group(topo: Topology, timeout_s: float = 120.0) -> None:
     """Join the default process group of this component; a peer that never comes raises at timeout_s."""
     if dist.is_initialized():
         return
+    if torch.cuda.is_available():
+        # Before the first collective: NCCL takes the current device, and two local ranks left on cuda:0
+        # fail with "Duplicate GPU detected" (the object collectives use the current device too).
+        torch.cuda.set_device(topo.local_rank % torch.cuda.device_count())
     dist.init_process_group(
         backend=backend_for_device(),
         init_method=f"tcp://{topo.master_addr}:{topo.master_port}",

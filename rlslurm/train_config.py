@@ -11,7 +11,8 @@ from rlslurm.configfile import check
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     backend: Literal["torch", "megatron"] = "torch"
-    """torch = DDP trainer (CPU default); megatron = Megatron-core (GPU)."""
+    """torch = DDP trainer (CPU default); megatron = Megatron-core (rlslurm/megatron/policy.py): job.kind rl
+    only, a CUDA GPU on every trainer rank at run time (on CPU the job stops with an error naming the fix)."""
     steps: int = 20
     """Optimizer steps the job runs in total (across requeues)."""
     lr: float = 1e-3

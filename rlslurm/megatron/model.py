@@ -129,8 +129,13 @@ def transformer_config(model: ModelConfig, layout: Layout, dtype: torch.dtype = 
     return TransformerConfig(**{**kwargs, **overrides})
 
 
-def build_gpt_model(model: ModelConfig, layout: Layout, dtype: torch.dtype = torch.float32, **config_overrides):
-    """This rank's pipeline stage of the GPTModel; `init_parallel(layout)` must have run."""
+def build_gpt_model(model: ModelConfig, layout: Layout, dtype: torch.dtype = torch.float32, *,
+                    parallel_output: bool = False, **config_overrides):
+    """This rank's pipeline stage of the GPTModel; `init_parallel(layout)` must have run.
+
+    parallel_output=False gathers the full logits on every TP rank (greedy decode, comparisons); a
+    trainer that passes `labels` needs True: Megatron's vocab-parallel cross entropy expects each TP
+    rank's own vocabulary slice, and on gathered logits it would be wrong at TP > 1."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -141,13 +146,13 @@ def build_gpt_model(model: ModelConfig, layout: Layout, dtype: torch.dtype = tor
     spec = get_gpt_layer_local_spec(num_experts=model.experts or None, normalization="RMSNorm")
     with _tensor_cuda_is_identity():
         gpt = GPTModel(
-                config=config,
+            config=config,
             transformer_layer_spec=spec,
             vocab_size=layout.padded_vocab(model.vocab),
             max_sequence_length=model.max_positions,
             pre_process=ps.is_pipeline_first_stage(),
             post_process=ps.is_pipeline_last_stage(),
-            parallel_output=False,  # every TP rank gets the full logits (greedy decode, comparisons)
+            parallel_output=parallel_output,
             share_embeddings_and_output_weights=model.tie_embeddings,
             position_embedding_type="rope",
             rotary_base=int(ROPE_BASE),

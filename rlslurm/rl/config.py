@@ -17,7 +17,7 @@ class RLConfig:
     """PPO-style clipping of the importance ratio."""
     kl_coef: float = 0.0
     """Weight of the KL penalty to the reference (initial) policy; 0 = no reference model."""
-    max_staleness: int = 0
+    max_staleness: int = 1
     """Policy versions a sample may lag behind the trainer (k): step n + k's rollout and reward run on policy
     n while step n trains (rlslurm/rl/pipeline.py, docs/rl-overlap.md); 0 = synchronous."""
     eval_every: int = 5

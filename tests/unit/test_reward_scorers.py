@@ -90,3 +90,24 @@ def test_rule_scorer_scores_the_arithmetic_task_exactly_as_its_own_rule():
             got = rule_score(normalize(text), problem.target, ANSWER_FORMAT).score
             assert got == want, (problem, text, got, want)
     assert sum(score(p, t) for p in problems for t in responses) >= 6  # the table holds right answers too
+
+
+def test_rule_scorer_scores_lenient_answers_as_the_task_does():
+    """task.answer = lenient (a chat model's prose): the service is handed answer_text(text, "lenient") with
+    ANSWER_FORMAT and must score every response as score(..., "lenient") does."""
+    import random
+
+    from rlslurm.tasks.arithmetic import ANSWER_FORMAT, Problem, answer_text, score
+
+    rng = random.Random(0)
+    problems = [Problem(12, "+", 7), Problem(7, "-", 7)]
+    tricky = ["12 + 7 = 19", "The answer is 19.", "19", "= 019", "=+19", "7 - 7 = 0", "0", "-0", "none", "",
+              "= -19", "=", "12 = 19 = 20", "x19y", "19</s>"]
+    alphabet = "0123456789+-= abc.\n"
+    responses = tricky + ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 12))) for _ in range(3000)]
+    for problem in problems:
+        for text in responses:
+            want = score(problem, text, "lenient")
+            got = rule_score(answer_text(text, "lenient"), problem.target, ANSWER_FORMAT).score
+            assert got == want, (problem, text, got, want)
+    assert sum(score(p, t, "lenient") for p in problems for t in responses) >= 6

@@ -9,7 +9,8 @@ from transformers import AutoTokenizer
 
 from rlslurm.config import load_config
 from rlslurm.errors import ConfigError
-from rlslurm.tasks.arithmetic import Problem, all_problems, make_splits, parse_answer, score
+from rlslurm.tasks.arithmetic import (Problem, all_problems, make_splits, parse_answer, parse_answer_lenient,
+                                      parse_prompt, score)
 from rlslurm.tasks.config import TaskConfig, distinct_problems
 from rlslurm.tokenizer import EOS, VOCAB, build_tokenizer, save_tokenizer
 
@@ -47,6 +48,30 @@ def test_too_many_problems_for_the_operand_range_is_a_config_error(tmp_path: Pat
 ])
 def test_score_is_exact_match_after_normalisation(response, expected):
     assert score(Problem(12, "+", 7), response) == expected
+
+
+@pytest.mark.parametrize("response,stated", [
+    ("12 + 7 = 19", 19), ("The answer is 19.", 19), ("19", 19), ("12 + 7 = 19, and 3 = 3", 19),
+    ("= 19 20", 19), ("12+7=019", 19), ("7 - 7 = 0", 0), ("= -3", -3), ("19</s>", 19), ("none", None),
+    ("12 + 7 =", None), ("", None),
+])
+def test_lenient_answer_is_the_first_integer_after_the_first_equals_sign(response, stated):
+    assert parse_answer_lenient(response) == stated
+    assert score(Problem(12, "+", 7), response, "lenient") == float(stated == 19)
+
+
+def test_parse_prompt_inverts_the_prompt_format():
+    for p in all_problems(12, ("+", "-")):
+        assert parse_prompt(p.prompt) == p
+    with pytest.raises(ValueError, match="not an arithmetic task prompt"):
+        parse_prompt("12 + 7 =")
+
+
+def test_chat_question_may_name_only_the_problems_fields(tmp_path: Path):
+    path = tmp_path / "job.yaml"
+    path.write_text("task: {prompt_style: chat, chat_question: 'What is {x}?'}\n")
+    with pytest.raises(ConfigError, match=r"task.chat_question = 'What is \{x\}\?' may name only \{a\}, \{op\} and \{b\}"):
+        load_config(path)
 
 
 def test_parse_answer_reads_negative_integers():

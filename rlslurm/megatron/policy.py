@@ -1,0 +1,389 @@
+"""`train.backend = megatron`: the RL policy on Megatron-core (GPU only), beside jobs/rl.py's torch Policy.
+
+    policy = MegatronPolicy(job, topo, model_dir)      # jobs/rl.py's make_policy picks it by train.backend
+    stats = policy.update(samples, guard)              # one clipped GRPO step; peak GPU memory in the stats
+    weights = policy.weights()                         # rank 0: {HF name: fp32 tensor}, what the engines serve
+
+The same interface as the torch Policy, so the RL loop does not know which one trains:
+  - `update(samples, guard)` makes the same clipped, sequence-mean GRPO objective (`grpo_objective`,
+    tests/integration/test_megatron_policy.py holds it to the torch Policy's loss) through Megatron's
+    DDP, distributed optimizer and schedule (rlslurm/megatron/trainer.py). Every rank takes the optimizer
+    step, also one whose share is empty (a zero-weight row stands in), so no rank's weights fall behind.
+  - `weights()` are the HF-named tensors of convert.export_hf, gathered over TP by every rank at the end
+    of `update` (jobs/rl.py asks rank 0 alone, and export_hf is collective) and kept on rank 0's GPU as
+    fp32, the dtype the engines serve (rollout server's --dtype float32) and VERIFY compares.
+  - `model` is an HF view (`HFView`): jobs/rl.py loads a checkpoint's HF tensors into it (every rank)
+    and exports it with `save_hf` (rank 0). `optimizer` checkpoints the step count only: Adam's moments
+    are not saved yet, and a resumed run restarts them (logged).
+
+The model's shape is read from the checkpoint's config.json (what train.init_from or the random init
+wrote), with its RMSNorm epsilon; precision, recompute and the distributed optimizer follow `memory:`,
+so the plan's memory prediction describes the trainer that runs (bench/gpu_smoke.py compares them).
+
+What runs where: the CUDA check (`require_cuda`), the config rules (`job_rules`), the sample packing
+and the objective are plain torch and are tested on CPU; the model's log-probabilities through
+`token_logprobs` run on CPU too (Megatron's model has CPU shims). DDP, the optimizer and the schedule
+are CUDA-only: `update` has run on no GPU yet (docs/gpu.md).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from rlslurm.errors import ConfigError, RlslurmError
+from rlslurm.modelspec import ModelConfig
+
+log = logging.getLogger(__name__)
+
+
+# -- checks: at config load (job_rules) and at run time (require_cuda) ----------------------------------
+
+def job_rules(job) -> list[tuple[str, str]]:
+    """(key, message) for each setting the Megatron RL policy cannot run; JobConfig raises the first, the
+    message following `<key> = <value> ` as the loader prints it."""
+    rules = []
+    if job.job.kind != "rl":
+        rules.append(("train.backend", f"is implemented for job.kind = 'rl' only, not job.kind = "
+                                       f"{job.job.kind!r}: set train.backend = torch"))
+    if job.rl.kl_coef > 0:
+        rules.append(("rl.kl_coef", "> 0 needs a frozen reference model, which train.backend = 'megatron' does "
+                                    "not build yet: set rl.kl_coef = 0 or train.backend = torch"))
+    for key in ("pp", "cp", "ep"):
+        value = getattr(job.parallel, key)
+        if value != 1:
+            rules.append((f"parallel.{key}", "must be 1 with train.backend = 'megatron': its RL policy splits over "
+                                             "TP and data parallel only so far (parallel.pp = cp = ep = 1)"))
+    if job.memory.weight_bytes not in (2.0, 4.0):
+        rules.append(("memory.weight_bytes", "must be 2 (bf16 weights, fp32 master copy) or 4 (fp32) with "
+                                             "train.backend = 'megatron'"))
+    return rules
+
+
+def _value(job, key: str):
+    section, name = key.split(".")
+    return getattr(getattr(job, section), name)
+
+
+def require_cuda() -> None:
+    """Raise RlslurmError naming the fix where this process has no CUDA GPU (train.backend = megatron)."""
+    if torch.cuda.is_available():
+        return
+    build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+    raise RlslurmError(
+        f"train.backend = 'megatron' needs a CUDA GPU on every trainer rank; {socket.gethostname()} has none "
+        f"visible (torch {torch.__version__}, {build}). Set train.backend = torch to train on CPU, or run on GPU "
+        "nodes in a venv with the [gpu] extra (pip install -e '.[gpu]'; docs/gpu.md)")
+
+
+def train_config(job):
+    """MegatronTrainConfig from `memory:` (the planner's knobs are the trainer's knobs)."""
+    from rlslurm.megatron.trainer import MegatronTrainConfig
+
+    return MegatronTrainConfig(bf16=job.memory.weight_bytes == 2.0, recompute=job.memory.recompute,
+                               distributed_optimizer=job.memory.distributed_optimizer)
+
+
+def hf_model_spec(model_dir: str | Path) -> tuple[ModelConfig, float]:
+    """(ModelConfig, RMSNorm epsilon) of the Llama checkpoint in model_dir, read from its config.json."""
+    from rlslurm.megatron.convert import ROPE_BASE
+
+    path = Path(model_dir) / "config.json"
+    cfg = json.loads(path.read_text())
+    if cfg.get("model_type") != "llama":
+        raise ConfigError(f"{path}: model_type {cfg.get('model_type')!r}; the Megatron RL policy trains Llama-layout "
+                          "checkpoints (the embedded model, SmolLM2): set train.backend = torch")
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    rope = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", ROPE_BASE))
+    if head_dim * heads != hidden or float(rope) != ROPE_BASE or cfg.get("attention_bias") or cfg.get("mlp_bias"):
+        raise ConfigError(f"{path}: head_dim {head_dim} x heads {heads} != hidden {hidden}, rope_theta {rope} != "
+                          f"{ROPE_BASE}, or biases: rlslurm/megatron/convert.py maps none of these yet")
+    spec = ModelConfig(name=Path(model_dir).name, layers=cfg["num_hidden_layers"], hidden=hidden, heads=heads,
+                       kv_heads=cfg.get("num_key_value_heads") or heads, ffn_hidden=cfg["intermediate_size"],
+                       vocab=cfg["vocab_size"], max_positions=cfg["max_position_embeddings"],
+                       tie_embeddings=bool(cfg.get("tie_word_embeddings", True)))
+    return spec, float(cfg.get("rms_norm_eps", 1e-6))
+
+
+# -- the objective, on plain tensors ----------------------------------------------------------------------
+
+@dataclass
+class Packed:
+    """Samples as tensors, column t scoring token t + 1 (the torch Policy's layout)."""
+
+    tokens: torch.Tensor
+    """[n, w-1] input ids."""
+    labels: torch.Tensor
+    """[n, w-1] the next token of each position."""
+    mask: torch.Tensor
+    """[n, w-1] 1.0 where the label is a response token."""
+    advantages: torch.Tensor
+    """[n, 1]."""
+    engine_logprobs: torch.Tensor
+    """[n, w-1] the engine's log-probabilities at stale samples' response positions, else 0."""
+    stale: torch.Tensor
+    """[n, 1] 1.0 for a sample older than the trainer (its behaviour policy is the engine's)."""
+    samples: int
+    """Real samples (0: one zero-weight row stands in, so the rank still joins the step)."""
+
+    def rows(self, start: int, stop: int) -> "Packed":
+        cut = slice(start, stop)
+        return Packed(self.tokens[cut], self.labels[cut], self.mask[cut], self.advantages[cut],
+                      self.engine_logprobs[cut], self.stale[cut], self.samples)
+
+    def to(self, device) -> "Packed":
+        return Packed(*(t.to(device) for t in (self.tokens, self.labels, self.mask, self.advantages,
+                                                self.engine_logprobs, self.stale)), self.samples)
+
+
+def pack(samples, pad_id: int) -> Packed:
+    """Right-padded tensors of `samples` (jobs/rl.py's Sample); an empty list gives one zero-weight row."""
+    width = max([len(s.prompt_ids) + len(s.response_ids) for s in samples] + [2])
+    n = max(len(samples), 1)
+    ids = torch.full((n, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((n, width - 1))
+    engine = torch.zeros((n, width - 1))
+    adv, stale = torch.zeros((n, 1)), torch.zeros((n, 1))
+    for i, s in enumerate(samples):
+        seq = s.prompt_ids + s.response_ids
+        ids[i, : len(seq)] = torch.tensor(seq)
+        start = len(s.prompt_ids) - 1  # position t predicts token t + 1
+        mask[i, start: len(seq) - 1] = 1.0
+        adv[i, 0] = s.advantage
+        if s.staleness > 0:
+            stale[i, 0] = 1.0
+            engine[i, start: start + len(s.engine_logprobs)] = torch.tensor(s.engine_logprobs)
+    return Packed(ids[:, :-1].contiguous(), ids[:, 1:].contiguous(), mask, adv, engine, stale, len(samples))
+
+
+def behaviour_logprobs(batch: Packed, old: torch.Tensor) -> torch.Tensor:
+    """pi_behaviour per position: the trainer's own (`old`) for a fresh sample, the engine's for a stale one."""
+    return torch.where(batch.stale.bool() & (batch.mask > 0), batch.engine_logprobs.to(old.dtype), old)
+
+
+def grpo_objective(new: torch.Tensor, behaviour: torch.Tensor, batch: Packed, clip_eps: float,
+                   samples: int) -> torch.Tensor:
+    """The torch Policy's loss, summed over `batch`'s rows and divided by `samples` (the rank's share):
+    micro-batches of one share add up to -mean over its samples of the sequence-mean clipped surrogate."""
+    ratio = torch.exp(new - behaviour)
+    adv = batch.advantages
+    surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv)
+    per_seq = batch.mask.sum(1).clamp(min=1.0)
+    return -((surrogate * batch.mask).sum(1) / per_seq).sum() / max(samples, 1)
+
+
+def token_logprobs(gpt, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log p(labels[:, t] | tokens[:, :t+1]) from a Megatron GPTModel (PP = 1); collective over its TP group."""
+    seq = tokens.shape[1]
+    positions = torch.arange(seq, device=tokens.device).unsqueeze(0).expand_as(tokens)
+    # True = masked out (Megatron's convention); right padding needs no more than the causal mask.
+    causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=tokens.device), diagonal=1)[None, None]
+    return -gpt(tokens, positions, causal, labels=labels).float()
+
+
+# -- the policy -----------------------------------------------------------------------------------------
+
+class MegatronPolicy:
+    """The trained GPTModel (Megatron DDP + distributed optimizer) on this rank's GPU."""
+
+    def __init__(self, job, topo, model_dir: str | Path):
+        from transformers import AutoTokenizer
+
+        from rlslurm.megatron.convert import Layout, SafetensorsDir, load_hf_into
+        from rlslurm.megatron.model import init_parallel
+        from rlslurm.megatron.trainer import build_trainer
+
+        require_cuda()
+        for key, message in job_rules(job):  # JobConfig refused these at load; a hand-built job may not have
+            raise ConfigError(f"{key} = {_value(job, key)!r} {message}")
+        torch.cuda.set_device(topo.local_rank % torch.cuda.device_count())
+        self.job, self.topo, self.model_dir = job, topo, Path(model_dir)
+        self.spec, norm_eps = hf_model_spec(model_dir)
+        self.layout = Layout(tp=job.parallel.tp)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        init_parallel(self.layout, seed=job.train.seed)
+        self.ddp, self.megatron_optimizer = build_trainer(
+            self.spec, self.layout, train_config(job), lr=job.train.lr, grad_clip=job.train.grad_clip,
+            weight_decay=job.train.weight_decay, layernorm_epsilon=norm_eps,
+            init=lambda gpt: load_hf_into(gpt, SafetensorsDir(model_dir), self.spec, self.layout))
+        self.gpt = self.ddp.module
+        self.steps = 0
+        self._hf: dict[str, torch.Tensor] = {}
+        self._export()
+        self.model = HFView(self)
+        self.optimizer = OptimizerState(self)
+        log.info("megatron policy: %s, TP %d, %s, peak %.3f GB after build", self.spec, self.layout.tp,
+                 train_config(job), torch.cuda.max_memory_allocated() / 1e9)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """Rank 0: the policy after the last update, {HF name: fp32 tensor on this GPU}; a tied LM head
+        once, as `model.embed_tokens.weight`. Other ranks: {} (they took part in the gather in `update`)."""
+        return self._hf
+
+    def _export(self) -> None:
+        """Collective: gather the HF tensors over TP; rank 0 keeps fp32 copies (the live ones move on)."""
+        from rlslurm.megatron.convert import export_hf
+
+        out = {}
+        for name, tensor in export_hf(self.gpt, self.spec, self.layout):
+            if self.topo.is_main:
+                out[name] = tensor.detach().to(torch.float32, copy=True)
+        self._hf = out
+
+    def _data_parallel_share(self, samples: list) -> list:
+        """TP ranks must see the same batch: the union of their shares (jobs/rl.py deals one per rank)."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        if self.layout.tp == 1:
+            return list(samples)
+        shares: list = [None] * self.layout.tp
+        dist.all_gather_object(shares, list(samples), group=ps.get_tensor_model_parallel_group())
+        return [s for share in shares for s in share]
+
+    def update(self, samples: list, guard) -> dict:
+        """One clipped GRPO step on this rank's share (same objective as jobs/rl.py's Policy.update)."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from rlslurm.tokenizer import PAD_ID
+
+        torch.cuda.reset_peak_memory_stats()
+        clip = self.job.rl.clip_eps
+        local = self._data_parallel_share(samples)
+        batch = pack(local, PAD_ID).to(torch.cuda.current_device())
+        micro = max(1, self.job.parallel.micro_batch_size)
+        chunks = [batch.rows(i, i + micro) for i in range(0, batch.tokens.shape[0], micro)]
+        # Every DP rank runs as many micro-batches (zero-weight ones pad a short share) and every rank takes
+        # the step unless no rank has a sample: the distributed optimizer's gathers are collective.
+        most = torch.tensor([len(chunks)], device=batch.tokens.device)
+        anyone = torch.tensor([len(local)], device=batch.tokens.device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
+        dist.all_reduce(anyone, op=dist.ReduceOp.SUM)
+        if anyone.item() == 0:
+            return {"loss": 0.0, "tokens": 0, "kl": 0.0, "grad_norm": 0.0, **_memory_stats()}
+        while len(chunks) < most.item():
+            chunks.append(_zero_rows(chunks[0]))
+        with torch.no_grad():
+            old = [token_logprobs(self.gpt, c.tokens, c.labels) for c in chunks]
+        behaviour = [behaviour_logprobs(c, o) for c, o in zip(chunks, old)]
+        guard.beat()
+        stats = _sample_stats(chunks, old, behaviour, local, clip)
+
+        def forward_step(data_iterator, model):
+            chunk, behave = next(data_iterator)
+            seq = chunk.tokens.shape[1]
+            positions = torch.arange(seq, device=chunk.tokens.device).unsqueeze(0).expand_as(chunk.tokens)
+            causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=chunk.tokens.device), diagonal=1)
+            nll = model(chunk.tokens, positions, causal[None, None], labels=chunk.labels)
+            return nll, partial(_loss, chunk, behave, clip, batch.samples, len(chunks))
+
+        self.ddp.zero_grad_buffer()
+        self.megatron_optimizer.zero_grad()
+        seq = batch.tokens.shape[1]
+        reduced = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(list(zip(chunks, behaviour))), model=[self.ddp],
+            num_microbatches=len(chunks), seq_length=seq, micro_batch_size=micro, decoder_seq_length=seq,
+            forward_only=False)
+        _updated, grad_norm, _ = self.megatron_optimizer.step()
+        self.steps += 1
+        guard.beat()
+        memory = _memory_stats()  # before the export: the trainer's own peak, not the fp32 copy for the engines
+        self._export()
+        loss = float(sum(r["loss"] for r in reduced)) if reduced else float("nan")
+        return {"loss": loss, "kl": 0.0, "grad_norm": float(grad_norm or 0.0), **stats, **memory}
+
+
+def _zero_rows(like: Packed) -> Packed:
+    """One row that weighs nothing: pads a DP rank's micro-batches to its peers' count."""
+    return Packed(like.tokens[:1].clone(), like.labels[:1].clone(), torch.zeros_like(like.mask[:1]),
+                  torch.zeros_like(like.advantages[:1]), torch.zeros_like(like.engine_logprobs[:1]),
+                  torch.zeros_like(like.stale[:1]), like.samples)
+
+
+def _loss(chunk: Packed, behaviour: torch.Tensor, clip: float, samples: int, micro_batches: int, nll: torch.Tensor):
+    # Megatron divides a 2-tuple loss by the number of micro-batches; the objective is already a share of
+    # the rank's sum, so that division is undone here.
+    loss = grpo_objective(-nll.float(), behaviour, chunk, clip, samples)
+    return loss * micro_batches, {"loss": loss.detach()}
+
+
+def _sample_stats(chunks, old, behaviour, local, clip: float) -> dict:
+    """The torch Policy's diagnostics: tokens, engine/trainer gap on fresh samples, clip fraction, drift."""
+    mask = torch.cat([c.mask for c in chunks])[: max(len(local), 1)]
+    old_all = torch.cat(old)[: mask.shape[0]]
+    behave = torch.cat(behaviour)[: mask.shape[0]]
+    tokens = mask.sum().clamp(min=1.0)
+    gap = 0.0
+    for i, s in enumerate(local):
+        if s.staleness == 0 and s.engine_logprobs:
+            start = len(s.prompt_ids) - 1
+            trainer = old_all[i, start: start + len(s.engine_logprobs)].cpu()
+            gap = max(gap, float((trainer - torch.tensor(s.engine_logprobs)).abs().max()))
+    ratio = torch.exp(old_all - behave)
+    clip_fraction = float((((ratio - 1).abs() > clip).float() * mask).sum() / tokens)
+    drift = float(((old_all - behave).abs() * mask).sum() / tokens)
+    return {"tokens": int(mask.sum()), "engine_trainer_logprob_gap": gap, "clip_fraction": clip_fraction,
+            "stale_logprob_drift": drift}
+
+
+def _memory_stats() -> dict:
+    """This rank's GPU memory peak since the step began (what the plan's trainer peak predicts), in GB."""
+    return {"train_peak_allocated_gb": torch.cuda.max_memory_allocated() / 1e9,
+            "train_peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9}
+
+
+# -- what jobs/rl.py reads as policy.model and policy.optimizer -------------------------------------------
+
+class HFView:
+    """The policy in Hugging Face terms: jobs/rl.py's `load` puts a checkpoint's HF tensors in through
+    `load_state_dict` (collective: every rank), and `save_hf` exports it through `save_pretrained` (rank 0)."""
+
+    def __init__(self, policy: MegatronPolicy):
+        from transformers import AutoConfig, GenerationConfig
+
+        self.policy = policy
+        self.config = AutoConfig.from_pretrained(str(policy.model_dir))
+        self.generation_config = GenerationConfig.from_model_config(self.config)
+
+    def load_state_dict(self, state, strict: bool = False):
+        from rlslurm.megatron.convert import load_hf_into
+
+        p = self.policy
+        load_hf_into(p.gpt, state, p.spec, p.layout)
+        p.megatron_optimizer.reload_model_params()  # the fp32 master weights follow the loaded ones
+        p._export()
+
+    def save_pretrained(self, directory: str | Path, safe_serialization: bool = True) -> None:
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.config.save_pretrained(str(directory))
+        self.generation_config.save_pretrained(str(directory))
+        tensors = {name: t.detach().cpu().contiguous() for name, t in self.policy.weights().items()}
+        save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
+class OptimizerState:
+    """What jobs/rl.py checkpoints as the optimizer. Only the step count so far: Adam's moments live in
+    Megatron's distributed optimizer sharded over DP, and jobs/rl.py's rank-0 `save` cannot gather them."""
+
+    def __init__(self, policy: MegatronPolicy):
+        self.policy = policy
+
+    def state_dict(self) -> dict:
+        return {"backend": "megatron", "steps": self.policy.steps, "adam_moments": None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.policy.steps = int(state.get("steps", 0))
+        log.warning("train.backend = megatron: the checkpoint holds no Adam moments; they restart at step %d",
+                    self.policy.steps)

@@ -1,0 +1,287 @@
+"""train.backend = megatron: the Megatron RL policy (rlslurm/megatron/policy.py) against the torch one.
+
+    python -m pytest -q tests/integration/test_megatron_policy.py      # CPU: ~30 s on 2 cores; gpu tests skip
+
+On CPU: the packed batch and the GRPO objective give the torch Policy's loss to float precision (fresh
+and stale samples), and a real Megatron GPTModel (CPU shims, gloo, world 1) loaded from the embedded
+model's HF export gives transformers' log-probabilities through `token_logprobs` (labels aligned, the
+checkpoint's RMSNorm epsilon used). On a GPU (`@pytest.mark.gpu`, skipped here): one update through
+Megatron's DDP and optimizer changes the weights, the HF-named weights round-trip, and a weight sync
+with VERIFY reaches a vLLM engine (IPC, one GPU) and an HF engine over NCCL (two GPUs). None of the gpu
+tests has run yet (docs/gpu.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import sys
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from rlslurm.config import JobConfig
+from rlslurm.jobs.rl import Policy, Sample
+from rlslurm.megatron.policy import behaviour_logprobs, grpo_objective, pack
+from rlslurm.modelspec import ModelConfig
+from rlslurm.tokenizer import PAD_ID
+
+# The embedded model at a head size vLLM's attention takes everywhere (64), two layers.
+MODEL = ModelConfig(layers=2, hidden=128, heads=2, ffn_hidden=256, vocab=32)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _job(**train) -> JobConfig:
+    job = JobConfig()
+    return dataclasses.replace(job, model=MODEL, train=dataclasses.replace(job.train, seed=0, **train))
+
+
+def _export(path):
+    from rlslurm.tinymodel import build_model, save_hf
+
+    save_hf(build_model(MODEL, seed=0), path)
+    return path
+
+
+def _samples(stale: bool = False) -> list[Sample]:
+    """Prompts and responses of different lengths (so right padding matters), advantages of both signs."""
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for i, (p, r) in enumerate([(6, 3), (4, 5), (7, 2), (5, 4), (3, 6), (6, 1)]):
+        prompt = [1] + torch.randint(4, 19, (p - 1,), generator=g).tolist()
+        response = torch.randint(4, 19, (r,), generator=g).tolist() + [2]
+        engine = (-torch.rand(len(response), generator=g) * 3).tolist()
+        out.append(Sample(prompt, response, float(i % 2), 1.0 if i % 2 else -0.7, 0, engine,
+                          staleness=1 if stale and i % 3 == 0 else 0))
+    return out
+
+
+class _Guard:
+    def beat(self, step=None):
+        pass
+
+
+# -- CPU --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("stale", [False, True])
+def test_objective_is_the_torch_policy_loss(tmp_path, stale):
+    """The same samples and weights: grpo_objective over micro-batches sums to Policy.update's loss."""
+    policy = Policy(_job(), _topology(), _export(tmp_path / "init"))
+    samples = _samples(stale)
+    batch = pack(samples, PAD_ID)
+    ids = torch.cat([batch.tokens, batch.labels[:, -1:]], dim=1)
+    with torch.no_grad():
+        new = Policy._logprobs(policy.model, ids, (ids != PAD_ID).long())
+    behaviour = behaviour_logprobs(batch, new)
+    # Two micro-batches of a share: each is divided by the share's size, so they add up.
+    ours = sum(float(grpo_objective(new[a:b], behaviour[a:b], batch.rows(a, b), 0.2, len(samples)))
+               for a, b in [(0, 4), (4, 6)])
+    theirs = policy.update(samples, _Guard())["loss"]
+    assert ours == pytest.approx(theirs, abs=1e-6), (ours, theirs)
+    assert abs(theirs) > 1e-3  # not trivially zero
+
+
+def test_pack_aligns_labels_masks_responses_and_places_stale_engine_logprobs():
+    samples = _samples(stale=True)
+    batch = pack(samples, PAD_ID)
+    s = samples[0]  # stale (i % 3 == 0)
+    start, end = len(s.prompt_ids) - 1, len(s.prompt_ids) + len(s.response_ids) - 1
+    assert batch.labels[0, start:end].tolist() == s.response_ids
+    assert batch.mask[0].nonzero().flatten().tolist() == list(range(start, end))
+    assert batch.engine_logprobs[0, start:end].tolist() == pytest.approx(s.engine_logprobs)
+    assert batch.stale[:, 0].tolist() == [1.0 if i % 3 == 0 else 0.0 for i in range(len(samples))]
+    old = torch.zeros_like(batch.mask)
+    assert behaviour_logprobs(batch, old)[1].abs().sum() == 0  # fresh: the trainer's own
+    empty = pack([], PAD_ID)
+    assert (empty.samples, empty.tokens.shape[0], float(empty.mask.sum())) == (0, 1, 0.0)
+
+
+def _topology():
+    from rlslurm.dist import Topology
+
+    return Topology(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=0)
+
+
+def _logprobs_worker(rank: int, port: int, model_dir: str, out: str):
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    torch.set_num_threads(1)
+    from rlslurm.dist import Topology, init_process_group
+    from rlslurm.megatron.convert import Layout, SafetensorsDir, load_hf_into
+    from rlslurm.megatron.model import build_gpt_model, init_parallel
+    from rlslurm.megatron.policy import hf_model_spec, token_logprobs
+
+    init_process_group(Topology(0, 1, 0, "127.0.0.1", port), timeout_s=60)
+    spec, eps = hf_model_spec(model_dir)
+    init_parallel(Layout(), seed=1)
+    gpt = build_gpt_model(spec, Layout(), parallel_output=True, layernorm_epsilon=eps)
+    load_hf_into(gpt, SafetensorsDir(model_dir), spec, Layout())
+    batch = pack(_samples(), PAD_ID)
+    with torch.no_grad():
+        torch.save(token_logprobs(gpt.eval(), batch.tokens, batch.labels), out)
+
+
+def test_megatron_logprobs_match_transformers_on_cpu(tmp_path):
+    """The embedded model's export, loaded into Megatron's GPTModel: log p of every label as HF has it."""
+    from rlslurm.megatron.policy import hf_model_spec
+
+    model_dir = _export(tmp_path / "init")
+    spec, eps = hf_model_spec(model_dir)
+    assert (spec.hidden, spec.heads, spec.n_kv_heads, spec.vocab, spec.tie_embeddings, eps) == (
+        128, 2, 2, 32, True, 1e-6)
+    mp.spawn(_logprobs_worker, args=(_free_port(), str(model_dir), str(tmp_path / "lp.pt")), nprocs=1, join=True)
+    megatron = torch.load(tmp_path / "lp.pt")
+    policy = Policy(_job(), _topology(), model_dir)
+    batch = pack(_samples(), PAD_ID)
+    ids = torch.cat([batch.tokens, batch.labels[:, -1:]], dim=1)
+    with torch.no_grad():
+        hf = Policy._logprobs(policy.model, ids, torch.ones_like(ids))
+    mask = batch.mask > 0
+    diff = (megatron[mask] - hf[mask]).abs().max().item()
+    assert diff < 1e-4, diff
+
+
+# -- GPU (skipped on CPU by tests/conftest.py; none has run yet) -------------------------------------
+
+def _gpu_policy_worker(rank: int, port: int, model_dir: str, out_dir: str, weight_bytes: float):
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    from rlslurm.dist import Topology, init_process_group
+    from rlslurm.megatron.policy import MegatronPolicy, token_logprobs
+    from rlslurm.tinymodel import load_hf
+
+    topo = Topology(0, 1, 0, "127.0.0.1", port)
+    init_process_group(topo, timeout_s=120)
+    job = _job(backend="megatron", lr=1e-2)
+    job = dataclasses.replace(job, memory=dataclasses.replace(job.memory, weight_bytes=weight_bytes))
+    policy = MegatronPolicy(job, topo, model_dir)
+    before = {n: t.clone() for n, t in policy.weights().items()}
+    assert all(t.is_cuda and t.dtype == torch.float32 for t in before.values())
+    stats = policy.update(_samples(stale=True), _Guard())
+    after = policy.weights()
+    assert sorted(after) == sorted(before)
+    changed = [n for n in after if not torch.equal(after[n], before[n])]
+    assert len(changed) >= len(after) - 1, f"only {changed} changed"  # every matrix moves
+    assert stats["train_peak_allocated_gb"] > 0 and stats["grad_norm"] > 0 and stats["tokens"] > 0
+    assert stats["engine_trainer_logprob_gap"] >= 0
+
+    # HF round trip 1: the HF directory the job exports reloads in transformers with the same log-probs.
+    from rlslurm.tinymodel import save_hf
+
+    save_hf(policy.model, os.path.join(out_dir, "hf"), tokenizer=policy.tokenizer)
+    hf, _ = load_hf(os.path.join(out_dir, "hf"))
+    batch = pack(_samples(), PAD_ID)
+    ids = torch.cat([batch.tokens, batch.labels[:, -1:]], dim=1)
+    with torch.no_grad():
+        theirs = Policy._logprobs(hf, ids, torch.ones_like(ids))
+        ours = token_logprobs(policy.gpt, batch.tokens.cuda(), batch.labels.cuda()).cpu()
+    mask = batch.mask > 0
+    tolerance = 1e-4 if weight_bytes == 4.0 else 5e-2  # bf16 compute against fp32 transformers
+    assert (ours[mask] - theirs[mask]).abs().max().item() < tolerance
+
+    # HF round trip 2: the checkpoint path (jobs/rl.py's load) puts HF tensors back into Megatron exactly.
+    policy.model.load_state_dict({n: t.cpu() for n, t in before.items()}, strict=False)
+    back = policy.weights()
+    if weight_bytes == 4.0:
+        assert all(torch.equal(back[n].cpu(), before[n].cpu()) for n in before)
+    state = policy.optimizer.state_dict()
+    policy.optimizer.load_state_dict(state)
+    assert state["steps"] == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weight_bytes", [4.0, 2.0], ids=["fp32", "bf16"])
+def test_megatron_policy_update_changes_weights_and_hf_weights_round_trip(tmp_path, weight_bytes):
+    model_dir = _export(tmp_path / "init")
+    mp.spawn(_gpu_policy_worker, args=(_free_port(), str(model_dir), str(tmp_path), weight_bytes), nprocs=1,
+             join=True)
+
+
+def _sync(engine_client, transport, tensors, version):
+    from rlslurm.sync.config import SyncConfig
+    from rlslurm.sync.protocol import WeightSync
+
+    try:
+        return WeightSync([engine_client], transport, SyncConfig(timeout_s=120, retries=0)).sync(tensors, version)
+    finally:
+        transport.close()
+
+
+def _start_engine(model_dir, log_dir, engine: str, visible: str, *extra: str):
+    from rlslurm.rollout.client import spawn_engine
+    from rlslurm.sync.broadcast import free_port
+
+    env = {"HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": visible, "RLSLURM_GPU_MEMORY_UTILIZATION": "0.2"}
+    return spawn_engine(model_dir, port=free_port(), log_path=log_dir / "engine.log", engine=engine,
+                        extra_args=["--name", "policy", *extra], env=env, ready_timeout_s=300.0)
+
+
+def _new_weights(model_dir, device: str) -> dict[str, torch.Tensor]:
+    """The model in model_dir with every tensor moved a little: what a trainer step would send."""
+    from rlslurm.tinymodel import load_hf
+
+    model, _ = load_hf(model_dir)
+    out, seen = {}, set()
+    for name, t in model.state_dict().items():
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            out[name] = (t + 0.01 * torch.randn_like(t)).to(device).contiguous()
+    return out
+
+
+def _assert_verified(report, client, tensors):
+    from rlslurm.sync.checksum import checksums, compare
+
+    assert report.attempts == 1 and report.stages["update"].bytes > 0
+    # VERIFY passed inside sync(); ask the engine once more what it serves now.
+    assert not compare(checksums(tensors.items()), client.checksums())
+    assert client.version() == 1
+
+
+@pytest.mark.gpu
+def test_ipc_sync_to_a_vllm_engine_on_the_same_gpu_passes_verify(tmp_path):
+    """The colocated path of bench/gpu_smoke.sh: trainer tensors on cuda:0, vLLM on the same GPU."""
+    pytest.importorskip("vllm", reason="needs the [gpu] extra (vllm)")
+    from rlslurm.sync.ipc import IpcTransport
+
+    model_dir = _export(tmp_path / "init")
+    engine = _start_engine(model_dir, tmp_path, "vllm", "0")
+    try:
+        tensors = _new_weights(model_dir, "cuda:0")
+        report = _sync(engine.client, IpcTransport(bucket_mb=1.0), tensors, version=1)
+        _assert_verified(report, engine.client, tensors)
+    finally:
+        engine.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="NCCL refuses two ranks on one GPU ('Duplicate GPU detected'): needs 2 GPUs")
+@pytest.mark.parametrize("engine_kind", [
+    "hf",
+    pytest.param("vllm", marks=pytest.mark.xfail(
+        reason="read from the code, not seen: a vLLM engine does not adopt weights, so its landing buffers "
+               "are CPU tensors (rlslurm/sync/landing.py) and a NCCL broadcast into them fails", strict=False)),
+])
+def test_nccl_broadcast_sync_to_an_engine_on_a_second_gpu_passes_verify(tmp_path, engine_kind):
+    if engine_kind == "vllm":
+        pytest.importorskip("vllm", reason="needs the [gpu] extra (vllm)")
+    from rlslurm.sync.broadcast import BroadcastTransport
+
+    model_dir = _export(tmp_path / "init")
+    # The engine sees only the second GPU (its cuda:0); this process's tensors stay on cuda:0.
+    extra = ("--device", "cuda") if engine_kind == "hf" else ()
+    engine = _start_engine(model_dir, tmp_path, engine_kind, "1", *extra)
+    try:
+        torch.cuda.set_device(0)
+        tensors = _new_weights(model_dir, "cuda:0")
+        report = _sync(engine.client, BroadcastTransport("127.0.0.1", bucket_mb=1.0), tensors, version=1)
+        _assert_verified(report, engine.client, tensors)
+        print(f"NCCL sync: {report.stages['update'].gbps:.3f} GB/s", file=sys.stderr)
+    finally:
+        engine.stop()
