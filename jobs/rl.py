@@ -44,6 +44,7 @@ import os
 import random
 import signal
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -784,8 +785,16 @@ def run_engine(job: JobConfig, run_dir: str | Path) -> int:
                                "job_id": lifecycle.leader_job_id(), "restart_count": lifecycle.restart_count()}))
     os.replace(tmp, folder / f"engine-{rank}.json")
     bind = "127.0.0.1" if host.startswith("127.") else "0.0.0.0"
+    argv = ["--model", str(model_dir), "--host", bind, "--port", str(port), "--threads", "1",
+            "--engine", job.rollout.engine]
+    if job.rollout.engine != "hf" or job.rollout.python:
+        # Another engine lives in its own venv (vLLM: .venv-vllm): become its server process, so this
+        # SLURM task is the server and SLURM's signals reach it directly (USR1 stays ignored across exec).
+        python = job.rollout.python or sys.executable
+        log.info("engine %d: exec %s -m rlslurm.rollout.server (engine %s)", rank, python, job.rollout.engine)
+        os.execv(python, [python, "-m", "rlslurm.rollout.server", *argv])
     try:
-        server.main(["--model", str(model_dir), "--host", bind, "--port", str(port), "--threads", "1"])
+        server.main(argv)
     except SystemExit as e:
         if e.code not in (0, None):
             raise
