@@ -55,7 +55,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from rlslurm import events, lifecycle
-from rlslurm.checkpoint import Checkpoint, CheckpointWriter, IntervalPolicy, latest_complete
+from rlslurm.checkpoint import Checkpoint, CheckpointWriter, IntervalPolicy
 from rlslurm.config import JobConfig
 from rlslurm.diag.drain_gate import DrainGate, agreed_reason
 from rlslurm.diag.env_diff import compare, read_fingerprints, write_fingerprint
@@ -114,7 +114,7 @@ class Policy:
         logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
         return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
 
-    def update(self, samples: list[Sample], guard: PhaseGuard) -> dict:
+    def update(self, samples: list[Sample], guard: PhaseGuard, *, step_total: int | None = None) -> dict:
         """One clipped policy-gradient step on this rank's share; DDP averages the gradients.
 
         The ratio is pi_theta / pi_behaviour. A fresh sample (staleness 0) was sampled by these very
@@ -127,10 +127,18 @@ class Policy:
         clip = self.job.rl.clip_eps
         self.optimizer.zero_grad(set_to_none=True)
         if not samples:
-            # DDP needs every rank in the all-reduce: a zero loss over the parameters keeps it in step.
-            loss = sum(p.sum() * 0.0 for p in self.model.parameters())
+            if not step_total:  # no rank has a sample (every group had zero variance): every rank skips
+                return {"loss": 0.0, "tokens": 0, "kl": 0.0, "grad_norm": 0.0}
+            # Peers train this step: join DDP's all-reduce with a zero loss through the DDP wrapper (its
+            # hooks fire only after a forward through it) and take the optimizer step on the averaged
+            # gradient like them, or this rank's weights drift away from theirs.
+            ids = torch.full((1, 2), PAD_ID, dtype=torch.long)
+            loss = self._logprobs(self.ddp, ids, torch.ones_like(ids)).sum() * 0.0
             loss.backward()
-            return {"loss": 0.0, "tokens": 0, "kl": 0.0, "grad_norm": 0.0}
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                       self.job.train.grad_clip or float("inf"))
+            self.optimizer.step()
+            return {"loss": 0.0, "tokens": 0, "kl": 0.0, "grad_norm": float(grad_norm)}
         width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
         ids = torch.full((len(samples), width), PAD_ID, dtype=torch.long)
         attn = torch.zeros_like(ids)
@@ -574,19 +582,13 @@ def run(job: JobConfig, run_dir: str | Path) -> int:
 
 
 def _start(job, run, topo, policy) -> tuple[int, int, dict, bool]:
-    box: list = [None, True]
-    if topo.is_main:
-        ckpt = latest_complete(run)
-        decision = lifecycle.on_start(run, lifecycle.restart_count(), step=ckpt.step if ckpt else 0,
-                                      checkpoint=ckpt.name if ckpt else None,
-                                      max_no_progress_restarts=job.checkpoint.max_no_progress_restarts)
-        box = [str(ckpt.path) if ckpt else None, decision.proceed]
-    dist.broadcast_object_list(box, src=0)
-    if not box[1]:
+    path, proceed = lifecycle.agree_on_start(run, is_main=topo.is_main,
+                                             max_no_progress_restarts=job.checkpoint.max_no_progress_restarts)
+    if not proceed:
         return 0, 0, {}, False
-    if box[0] is None:
+    if path is None:
         return 0, 0, {}, True
-    state = load(Checkpoint.open(Path(box[0]), verify=False), policy, topo)
+    state = load(Checkpoint.open(Path(path), verify=False), policy, topo)  # rank 0 verified it
     return int(state["step"]), int(state["policy_version"]), state, True
 
 
@@ -690,7 +692,7 @@ def _loop(job, run, topo, gate, guard, policy, controller) -> int:
         t = time.monotonic()
         with guard.phase("train", step=step):
             share = exp.samples[topo.rank::topo.world_size]
-            stats = policy.update(share, guard)
+            stats = policy.update(share, guard, step_total=len(exp.samples))
         train_s = time.monotonic() - t
         step += 1
         version += 1

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from rlslurm import lifecycle
-from rlslurm.checkpoint import Checkpoint, CheckpointWriter, IntervalPolicy, latest_complete, step_dirname
+from rlslurm.checkpoint import Checkpoint, CheckpointWriter, IntervalPolicy, step_dirname
 from rlslurm.config import JobConfig, load_config
 from rlslurm.diag.drain_gate import DrainGate, agreed_reason
 from rlslurm.diag.guard import PhaseGuard
@@ -234,19 +234,6 @@ def run_sft(job: JobConfig, run_dir: Path, *, requeue=lifecycle.requeue_job) -> 
         gate.restore_signal_handlers()
 
 
-def _choose_start(run: RunDir, job: JobConfig, topo: Topology) -> tuple[str | None, bool]:
-    """Rank 0 picks the newest complete checkpoint and runs the start guard; every rank learns (path, go)."""
-    box: list = [None, True]
-    if topo.is_main:
-        ckpt = latest_complete(run)
-        decision = lifecycle.on_start(run, lifecycle.restart_count(), step=ckpt.step if ckpt else 0,
-                                      checkpoint=ckpt.name if ckpt else None,
-                                      max_no_progress_restarts=job.checkpoint.max_no_progress_restarts)
-        box = [str(ckpt.path) if ckpt else None, decision.proceed]
-    dist.broadcast_object_list(box, src=0)
-    return box[0], box[1]
-
-
 def _train(job: JobConfig, run: RunDir, topo: Topology, gate: DrainGate, guard: PhaseGuard, started: float,
            requeue) -> dict:
     train = job.train
@@ -259,7 +246,8 @@ def _train(job: JobConfig, run: RunDir, topo: Topology, gate: DrainGate, guard: 
                           f"rollout.max_new_tokens = {job.rollout.max_new_tokens} ({longest} tokens)")
     torch.manual_seed(train.seed + topo.rank)
     state = build_state(job, topo)
-    path, proceed = _choose_start(run, job, topo)
+    path, proceed = lifecycle.agree_on_start(run, is_main=topo.is_main,
+                                             max_no_progress_restarts=job.checkpoint.max_no_progress_restarts)
     if not proceed:
         return {"rank": topo.rank, "step": None, "exit_code": ExitCode.NO_PROGRESS}
     if path:

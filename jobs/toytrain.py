@@ -41,7 +41,7 @@ import yaml
 from rlslurm.diag.drain_gate import DrainGate, agreed_reason
 from rlslurm.diag.guard import PhaseGuard
 from rlslurm import events, lifecycle
-from rlslurm.checkpoint import Checkpoint, CheckpointWriter, IntervalPolicy, latest_complete, step_dirname
+from rlslurm.checkpoint import Checkpoint, CheckpointWriter, IntervalPolicy, step_dirname
 from rlslurm.config import JobConfig, load_config
 from rlslurm.configfile import to_dict
 from rlslurm.dist import Topology, init_process_group
@@ -191,19 +191,6 @@ class ToyTrainer:
         return int(ckpt.load_json("trainer")["step"])
 
 
-def _choose_start(run: RunDir, cfg: JobConfig, topo: Topology, restarts: int) -> tuple[str | None, bool]:
-    """Rank 0 picks the checkpoint and runs the start guard; every rank learns (path, proceed)."""
-    box: list = [None, True]
-    if topo.is_main:
-        ckpt = latest_complete(run)
-        step = ckpt.step if ckpt else 0
-        decision = lifecycle.on_start(run, restarts, step=step, checkpoint=ckpt.name if ckpt else None,
-                                      max_no_progress_restarts=cfg.checkpoint.max_no_progress_restarts)
-        box = [str(ckpt.path) if ckpt else None, decision.proceed]
-    dist.broadcast_object_list(box, src=0)
-    return box[0], box[1]
-
-
 def train(run_dir: str | Path, cfg: JobConfig, *, step_delay_s: float = 0.0, time_limit_s: float | None = None,
           requeue=lifecycle.requeue_job) -> ExitCode:
     """Run (or resume) the toy job in this process as one rank; returns the lifecycle exit code."""
@@ -239,7 +226,8 @@ def _train(run, cfg, topo, gate, guard, step_delay_s, time_limit_s, requeue) -> 
     if time_limit_s is None and os.environ.get("SLURM_JOB_ID"):
         time_limit_s = cfg.cluster.time_limit_min * 60.0
     trainer = ToyTrainer(run, cfg, topo)
-    path, proceed = _choose_start(run, cfg, topo, restarts)
+    path, proceed = lifecycle.agree_on_start(run, is_main=topo.is_main, restarts=restarts,
+                                             max_no_progress_restarts=cfg.checkpoint.max_no_progress_restarts)
     if not proceed:
         return ExitCode.NO_PROGRESS
     step = trainer.load(Checkpoint.open(Path(path), verify=False)) if path else 0

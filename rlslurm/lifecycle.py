@@ -113,6 +113,25 @@ def on_start(run: RunDir, restart_count: int, *, step: int, checkpoint: str | No
     return StartDecision(True, fruitless)
 
 
+def agree_on_start(run: RunDir, *, is_main: bool, max_no_progress_restarts: int,
+                   restarts: int | None = None) -> tuple[str | None, bool]:
+    """Collective, at every start of a job with a torch.distributed world: rank 0 picks the newest
+    complete checkpoint and runs `on_start`; every rank learns (checkpoint path or None, proceed)."""
+    import torch.distributed as dist
+
+    from rlslurm.checkpoint import latest_complete  # lazily: checkpoint imports torch
+
+    box: list = [None, True]
+    if is_main:
+        ckpt = latest_complete(run)
+        decision = on_start(run, restart_count() if restarts is None else restarts,
+                            step=ckpt.step if ckpt else 0, checkpoint=ckpt.name if ckpt else None,
+                            max_no_progress_restarts=max_no_progress_restarts)
+        box = [str(ckpt.path) if ckpt else None, decision.proceed]
+    dist.broadcast_object_list(box, src=0)
+    return box[0], box[1]
+
+
 def finish_drain(run: RunDir, *, step: int, reason: str | None, signal_name: str | None,
                  save: Callable[[], str | None], cost_s: float, time_left_s: float | None, is_leader: bool,
                  requeue: Callable[[str], None] = requeue_job, env: Mapping[str, str] | None = None,

@@ -256,6 +256,9 @@ class MegatronPolicy:
 
         from rlslurm.tokenizer import PAD_ID
 
+        # The last version's fp32 copy goes first (the engines have it): the peak measured below is the
+        # trainer's own step, what the plan's trainer peak predicts (plus a sync transport's buffers).
+        self._hf = {}
         torch.cuda.reset_peak_memory_stats()
         clip = self.job.rl.clip_eps
         local = self._data_parallel_share(samples)
@@ -268,8 +271,10 @@ class MegatronPolicy:
         anyone = torch.tensor([len(local)], device=batch.tokens.device)
         dist.all_reduce(most, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
         dist.all_reduce(anyone, op=dist.ReduceOp.SUM)
-        if anyone.item() == 0:
-            return {"loss": 0.0, "tokens": 0, "kl": 0.0, "grad_norm": 0.0, **_memory_stats()}
+        if anyone.item() == 0:  # no rank has a sample: no step anywhere, the weights stay as they are
+            memory = _memory_stats()
+            self._export()
+            return {"loss": 0.0, "tokens": 0, "kl": 0.0, "grad_norm": 0.0, **memory}
         while len(chunks) < most.item():
             chunks.append(_zero_rows(chunks[0]))
         with torch.no_grad():
@@ -296,7 +301,7 @@ class MegatronPolicy:
         _updated, grad_norm, _ = self.megatron_optimizer.step()
         self.steps += 1
         guard.beat()
-        memory = _memory_stats()  # before the export: the trainer's own peak, not the fp32 copy for the engines
+        memory = _memory_stats()  # before the export adds the fp32 copy for the engines
         self._export()
         loss = float(sum(r["loss"] for r in reduced)) if reduced else float("nan")
         return {"loss": loss, "kl": 0.0, "grad_norm": float(grad_norm or 0.0), **stats, **memory}
@@ -336,7 +341,8 @@ def _sample_stats(chunks, old, behaviour, local, clip: float) -> dict:
 
 
 def _memory_stats() -> dict:
-    """This rank's GPU memory peak since the step began (what the plan's trainer peak predicts), in GB."""
+    """This rank's GPU memory peak since the step began, in GB: Megatron's weights, grads, optimizer and
+    activations, plus whatever else this process holds on the GPU (a sync transport's buffers on rank 0)."""
     return {"train_peak_allocated_gb": torch.cuda.max_memory_allocated() / 1e9,
             "train_peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9}
 

@@ -1,15 +1,17 @@
 """The Megatron-core trainer backend (GPU): DDP with the distributed optimizer, activation recompute,
 and one optimizer step over micro-batches of token-weighted log-likelihood.
 
-A skeleton for `train.backend = megatron`: it builds on model.py (the same GPTModel the CPU tests
-check against transformers) and is exercised only by the `@pytest.mark.gpu` test, because Megatron's
-DDP grad buffers, its optimizer and its pipeline schedules call CUDA directly. On CPU the torch backend
-trains; the Megatron model, its layout and the HF conversion are still tested there.
+`build_trainer` is what `train.backend = megatron` trains with (rlslurm/megatron/policy.py, the RL policy);
+it builds on model.py (the same GPTModel the CPU tests check against transformers) and is exercised only
+by `@pytest.mark.gpu` tests, because Megatron's DDP grad buffers, its optimizer and its pipeline schedules
+call CUDA directly. None of them has run on a GPU yet (docs/gpu.md). On CPU the torch backend trains; the
+Megatron model, its layout and the HF conversion are still tested there.
 
 One loss serves both entrances: per-token weights times the token's negative log-likelihood, summed
 and divided by the number of weighted tokens. SFT passes the loss mask as weights; GRPO passes
 advantage x mask (on-policy, one update per rollout: the clipped ratio is 1, so its gradient is the
-advantage-weighted log-likelihood gradient).
+advantage-weighted log-likelihood gradient). The RL policy (policy.py) runs the same schedule with its own
+loss, the torch Policy's clipped objective, which also covers stale samples (rl.max_staleness > 0).
 """
 
 from __future__ import annotations

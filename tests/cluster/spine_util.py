@@ -177,3 +177,46 @@ def train_node(sub: launch.Submission) -> str:
     """The node of het component 0, from SLURM."""
     (rec,) = [r for r in commands.show_job(sub.job_id) if r.get("HetJobOffset", "0") == "0"]
     return rec["NodeList"]
+
+
+def kill_checkpoint_writer_and_requeue(sub, step: int, timeout_s: float, kick) -> tuple[Path, int, float]:
+    """SIGKILL rank 0 while it writes the step-`step` checkpoint (the job runs with the checkpoint pause
+    hook), `scontrol requeue` the job and wait until it is done. Asserts the skipped checkpoint is that
+    half-written one and was tidied. Returns (its temp dir, the writer's pid, time of the kill)."""
+    import os
+    import signal
+
+    from rlslurm.checkpoint import step_dirname
+    from rlslurm.errors import SlurmCommandError
+
+    run = RunDir(sub.run_dir)
+    half: list[Path] = []
+
+    def half_written() -> bool:
+        half[:] = [p for p in run.checkpoints.glob(f".tmp-{step_dirname(step)}-*")
+                   if (p / "model.safetensors").is_file()]
+        return bool(half)
+    wait_for(f"a half-written {step_dirname(step)} checkpoint", half_written, timeout_s, poll_s=0.05)
+    (tmp,) = half
+    writer_pid = int(tmp.name.rsplit("-", 1)[1])
+    (rank0,) = [p for p in placements(sub.run_dir, "train", 0) if p["rank"] == 0]
+    assert writer_pid == rank0["pid"]  # rank 0 writes; the temp dir is named after its pid
+    os.kill(writer_pid, signal.SIGKILL)  # a node dying mid-write: no manifest, no rename
+    killed_at = time.time()
+
+    def requeued() -> bool:
+        # Right after the kill the job may be COMPLETING, which scontrol refuses to requeue: try again.
+        try:
+            commands.requeue(sub.job_id)
+            return True
+        except SlurmCommandError as e:
+            log.info("requeue not accepted yet: %s", e)
+            return False
+    wait_for(f"SLURM to accept the requeue of {sub.job_id}", requeued, 30, poll_s=0.5)
+    wait_done(sub.job_id, sub.run_dir, timeout_s, kick)
+
+    skipped = events(sub.run_dir, "checkpoint_skipped")
+    assert [e["checkpoint"] for e in skipped] == [tmp.name]
+    assert skipped[0]["reason"] == f"incomplete: no manifest, writer pid {writer_pid} dead"
+    assert not tmp.exists()  # the dead writer's temp dir is tidied
+    return tmp, writer_pid, killed_at

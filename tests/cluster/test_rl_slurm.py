@@ -19,8 +19,6 @@ however often it was stopped. The time-limit job needs minutes of allocations, s
 from __future__ import annotations
 
 import json
-import os
-import signal
 import time
 from pathlib import Path
 
@@ -32,7 +30,6 @@ from rlslurm import launch
 from rlslurm.checkpoint import PAUSE_ENV, latest_complete, step_dirname
 from rlslurm.cli.main import cli
 from rlslurm.config import load_config
-from rlslurm.errors import SlurmCommandError
 from rlslurm.rundir import RunDir, read_jsonl
 from rlslurm.slurm import commands
 import spine_util as su
@@ -393,35 +390,7 @@ def test_sigkill_of_rank0_mid_checkpoint_resumes_from_the_previous_complete(slur
                               reward_component=True))
     monkeypatch.delenv(PAUSE_ENV)
     run = RunDir(sub.run_dir)
-    half: list[Path] = []
-
-    def half_written() -> bool:
-        half[:] = [p for p in run.checkpoints.glob(f".tmp-{step_dirname(kill_step)}-*")
-                   if (p / "model.safetensors").is_file()]
-        return bool(half)
-    su.wait_for(f"a half-written {step_dirname(kill_step)} checkpoint", half_written, JOB_TIMEOUT_S, poll_s=0.05)
-    (tmp,) = half
-    writer_pid = int(tmp.name.rsplit("-", 1)[1])
-    (rank0,) = [p for p in su.placements(sub.run_dir, "train", 0) if p["rank"] == 0]
-    assert writer_pid == rank0["pid"]  # rank 0 writes; the temp dir is named after its pid
-    os.kill(writer_pid, signal.SIGKILL)  # a node dying mid-write: no manifest, no rename
-    killed_at = time.time()
-
-    def requeued() -> bool:
-        # Right after the kill the job may be COMPLETING, which scontrol refuses to requeue: try again.
-        try:
-            commands.requeue(sub.job_id)
-            return True
-        except SlurmCommandError as e:
-            su.log.info("requeue not accepted yet: %s", e)
-            return False
-    su.wait_for(f"SLURM to accept the requeue of {sub.job_id}", requeued, 30, poll_s=0.5)
-    su.wait_done(sub.job_id, sub.run_dir, JOB_TIMEOUT_S, slurm_cluster.kick)
-
-    skipped = su.events(sub.run_dir, "checkpoint_skipped")
-    assert [e["checkpoint"] for e in skipped] == [tmp.name]
-    assert skipped[0]["reason"] == f"incomplete: no manifest, writer pid {writer_pid} dead"
-    assert not tmp.exists()  # the dead writer's temp dir is tidied
+    _, _, killed_at = su.kill_checkpoint_writer_and_requeue(sub, kill_step, JOB_TIMEOUT_S, slurm_cluster.kick)
     (resume,) = su.events(sub.run_dir, "resume")
     assert (resume["step"], resume["checkpoint"], resume["restart_count"]) == (
         kill_step - su.INTERVAL, step_dirname(kill_step - su.INTERVAL), 1)

@@ -181,7 +181,7 @@ def _gpu_policy_worker(rank: int, port: int, model_dir: str, out_dir: str, weigh
         theirs = Policy._logprobs(hf, ids, torch.ones_like(ids))
         ours = token_logprobs(policy.gpt, batch.tokens.cuda(), batch.labels.cuda()).cpu()
     mask = batch.mask > 0
-    tolerance = 1e-4 if weight_bytes == 4.0 else 5e-2  # bf16 compute against fp32 transformers
+    tolerance = 1e-4 if weight_bytes == 4.0 else 0.1  # bf16 compute against fp32 transformers
     assert (ours[mask] - theirs[mask]).abs().max().item() < tolerance
 
     # HF round trip 2: the checkpoint path (jobs/rl.py's load) puts HF tensors back into Megatron exactly.

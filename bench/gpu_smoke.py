@@ -1,0 +1,211 @@
+"""The GPU smoke test's driver (bench/gpu_smoke.sh runs it): submit the job, then read the run back.
+
+    python bench/gpu_smoke.py run examples/tiny-grpo-gpu.yaml --run-root runs/gpu-smoke [--set k=v ...]
+    python bench/gpu_smoke.py report RUN_DIR [--json summary.json]     # any finished RL run, e.g. a fixture
+
+`run` submits with `rlslurm submit CONFIG --backend local --wait` (this interpreter, bounded by
+--timeout-s), then does what `report` does. The report reads only the run directory:
+  - every weight sync's VERIFY from events.jsonl (`sync_verified`, `sync_failed`, `sync_verify_mismatch`):
+    the first sync (the engines take the starting policy) and one per step;
+  - its transport and update GB/s (`sync_update_gbps`, bytes over the UPDATE stage's seconds), and
+    whether it went over NCCL (the broadcast transport on a CUDA machine: the `env` fingerprints say);
+  - the trainer's measured peak GPU memory per step (`train_peak_allocated_gb`, `train_peak_reserved_gb`
+    in metrics.jsonl, from the Megatron policy) against the plan's predicted trainer peak per GPU for the
+    chosen split (plan.json: what `rlslurm plan --json` printed at submit).
+It exits 0 only when the job finished every step and every sync passed VERIFY. NOT RUN ON A GPU YET.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class SyncRecord:
+    version: int
+    transport: str
+    verified: bool
+    attempts: int = 1
+    update_gbps: float = 0.0
+    update_bytes: int = 0
+    update_s: float = 0.0
+
+
+@dataclass
+class Summary:
+    run_dir: str
+    steps_wanted: int
+    steps_done: int
+    done: bool
+    syncs: list[SyncRecord] = field(default_factory=list)
+    sync_failures: list[str] = field(default_factory=list)
+    nccl: bool = False
+    """The broadcast transport ran on CUDA, i.e. through a NCCL process group."""
+    predicted_peak_gb: float | None = None
+    predicted_terms: dict = field(default_factory=dict)
+    measured_peak_allocated_gb: float | None = None
+    measured_peak_reserved_gb: float | None = None
+    install_s: float | None = None
+    run_s: float | None = None
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _yaml(path: Path) -> dict:
+    import yaml
+
+    return yaml.safe_load(path.read_text()) if path.is_file() else {}
+
+
+def _predicted(plan: dict) -> tuple[float | None, dict]:
+    """The chosen split's trainer peak per GPU and its terms, from plan.json."""
+    chosen = plan.get("chosen") or {}
+    key = (chosen.get("rollout_nodes"), chosen.get("train_gpus"))
+    for split in plan.get("splits", []):
+        if (split.get("rollout_nodes"), split.get("train_gpus")) == key:
+            terms = {k: split[k] for k in ("resident_gb", "activations_temporaries_gb", "temporaries_gb")
+                     if k in split}
+            return split.get("peak_gb"), terms
+    return None, {}
+
+
+def _on_cuda(run: Path) -> bool:
+    """Whether the trainer's rank 0 had NCCL, i.e. a GPU: its env fingerprint (diag/env_diff.py) names the
+    NCCL version only when CUDA is available."""
+    path = run / "env" / "train-0.json"
+    return path.is_file() and json.loads(path.read_text()).get("nccl") is not None
+
+
+def summarize(run_dir: str | Path, *, install_s: float | None = None, run_s: float | None = None) -> Summary:
+    """What the smoke test checks, read from a finished run directory."""
+    run = Path(run_dir)
+    config = _yaml(run / "config.yaml")
+    metrics, events = _jsonl(run / "metrics.jsonl"), _jsonl(run / "events.jsonl")
+    plan = json.loads((run / "plan.json").read_text()) if (run / "plan.json").is_file() else {}
+    steps_wanted = int((config.get("train") or {}).get("steps", 0))
+    s = Summary(run_dir=str(run), steps_wanted=steps_wanted,
+                steps_done=max((m.get("step", 0) for m in metrics), default=0),
+                done=any(e.get("kind") == "done" for e in events), install_s=install_s, run_s=run_s)
+    for e in events:
+        kind = e.get("kind")
+        if kind == "sync_verified":
+            s.syncs.append(SyncRecord(version=int(e.get("version", -1)), transport=str(e.get("transport")),
+                                      verified=True, attempts=int(e.get("sync_attempts", 1)),
+                                      update_gbps=float(e.get("sync_update_gbps", 0.0)),
+                                      update_bytes=int(e.get("sync_update_bytes", 0)),
+                                      update_s=float(e.get("sync_update_s", 0.0))))
+        elif kind in ("sync_failed", "sync_verify_mismatch"):
+            s.sync_failures.append(f"{kind} version {e.get('version')}: "
+                                   f"{e.get('reason') or e.get('mismatches') or e.get('stage')}")
+    s.nccl = any(x.transport == "broadcast" for x in s.syncs) and _on_cuda(run)
+    s.predicted_peak_gb, s.predicted_terms = _predicted(plan)
+    allocated = [m["train_peak_allocated_gb"] for m in metrics if "train_peak_allocated_gb" in m]
+    reserved = [m["train_peak_reserved_gb"] for m in metrics if "train_peak_reserved_gb" in m]
+    s.measured_peak_allocated_gb = max(allocated) if allocated else None
+    s.measured_peak_reserved_gb = max(reserved) if reserved else None
+
+    if not s.done:
+        s.problems.append("no `done` event: the job did not finish (see logs/ and events.jsonl)")
+    if s.steps_done < steps_wanted:
+        s.problems.append(f"{s.steps_done} of train.steps = {steps_wanted} steps in metrics.jsonl")
+    if s.sync_failures:
+        s.problems.append(f"{len(s.sync_failures)} sync failures: {s.sync_failures[0]}")
+    if len(s.syncs) < steps_wanted + 1:  # the first sync, then one per step
+        s.problems.append(f"{len(s.syncs)} verified syncs, expected {steps_wanted + 1} (the first + one per step)")
+    if s.measured_peak_allocated_gb is None:
+        s.problems.append("no train_peak_allocated_gb in metrics.jsonl: was train.backend megatron?")
+    return s
+
+
+def render(s: Summary) -> str:
+    """The lines the smoke test prints."""
+    lines = [f"GPU smoke: {s.run_dir}"]
+    if s.install_s is not None or s.run_s is not None:
+        lines.append(f"  time: install [gpu] {s.install_s or 0:.0f} s, job {s.run_s or 0:.0f} s")
+    lines.append(f"  steps: {s.steps_done} of {s.steps_wanted}, finished: {'yes' if s.done else 'no'}")
+    for x in sorted(s.syncs, key=lambda r: r.version):
+        mb = x.update_bytes / 1e6
+        lines.append(f"  sync to v{x.version}: {x.transport}, VERIFY passed (attempts {x.attempts}), update "
+                     f"{x.update_gbps:.2f} GB/s ({mb:.1f} MB in {x.update_s:.3f} s)")
+    for failure in s.sync_failures:
+        lines.append(f"  sync FAILED: {failure}")
+    transports = sorted({x.transport for x in s.syncs})
+    lines.append("  NCCL: " + ("yes (broadcast transport on CUDA)" if s.nccl else
+                               f"not exercised (transport {', '.join(transports) or 'none'}; one GPU cannot hold "
+                               "two NCCL ranks, see docs/gpu.md)"))
+    if s.measured_peak_allocated_gb is not None and s.predicted_peak_gb:
+        ratio = s.measured_peak_allocated_gb / s.predicted_peak_gb
+        terms = ", ".join(f"{k} {v:.2f}" for k, v in s.predicted_terms.items())
+        lines.append(f"  trainer peak memory per GPU: predicted {s.predicted_peak_gb:.2f} GB (plan: {terms}), "
+                     f"measured {s.measured_peak_allocated_gb:.2f} GB allocated / "
+                     f"{s.measured_peak_reserved_gb or 0:.2f} GB reserved (measured/predicted {ratio:.2f})")
+    else:
+        lines.append(f"  trainer peak memory per GPU: predicted {s.predicted_peak_gb} GB, measured "
+                     f"{s.measured_peak_allocated_gb} GB")
+    lines.append("  result: " + ("PASS" if s.ok else "FAIL: " + "; ".join(s.problems)))
+    return "\n".join(lines)
+
+
+def submit(config: str, run_root: str, overrides: list[str], timeout_s: float) -> tuple[Path, float]:
+    """`rlslurm submit CONFIG --backend local --wait` with this interpreter; (run dir, seconds)."""
+    cmd = [sys.executable, "-m", "rlslurm.cli.main", "submit", config, "--backend", "local", "--wait",
+           "--run-root", run_root, *[a for o in overrides for a in ("--set", o)]]
+    print("gpu_smoke: " + " ".join(cmd), flush=True)
+    started = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        raise SystemExit(f"gpu_smoke: the job ran past {timeout_s:.0f} s\n{out[-3000:]}") from None
+    seconds = time.monotonic() - started
+    sys.stdout.write(proc.stdout[-4000:])
+    sys.stderr.write(proc.stderr[-4000:])
+    found = re.search(r"^run directory: (.+)$", proc.stdout, re.M)
+    if not found:
+        raise SystemExit(f"gpu_smoke: submit printed no run directory (exit {proc.returncode})")
+    return Path(found.group(1).strip()), seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="submit the job, wait, report")
+    r.add_argument("config")
+    r.add_argument("--run-root", required=True)
+    r.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    r.add_argument("--timeout-s", type=float, default=420.0)
+    r.add_argument("--install-s", type=float, default=None, help="seconds the [gpu] install took (printed)")
+    r.add_argument("--json", default=None, help="also write the summary here")
+    q = sub.add_parser("report", help="report on a finished run directory")
+    q.add_argument("run_dir")
+    q.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    if args.command == "run":
+        run_dir, seconds = submit(args.config, args.run_root, args.overrides, args.timeout_s)
+        summary = summarize(run_dir, install_s=args.install_s, run_s=seconds)
+    else:
+        summary = summarize(args.run_dir)
+    print(render(summary))
+    if args.json:
+        Path(args.json).write_text(json.dumps({**asdict(summary), "ok": summary.ok}, indent=1))
+    return 0 if summary.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""What of the GPU path (issue 7) can be checked without a GPU: train.backend = megatron's config rules and
+its run-time CUDA error, the checkpoint-to-Megatron shape reading, the smoke job's config and plan, the
+smoke script's syntax, and bench/gpu_smoke.py's report on a hand-made run directory (tests/data/gpu_smoke).
+
+    python -m pytest -q tests/unit/test_gpu_backend.py      # ~5 s
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlslurm.config import JobConfig, load_config
+from rlslurm.errors import ConfigError, RlslurmError
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURE = ROOT / "tests" / "data" / "gpu_smoke" / "run"
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
+
+
+def _load(tmp_path, text: str) -> JobConfig:
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    return load_config(path)
+
+
+@pytest.mark.parametrize("text, fragments", [
+    ("job: {kind: sft}\n", ["train.backend = 'megatron'", "job.kind = 'rl' only", "set train.backend = torch"]),
+    ("rl: {kl_coef: 0.1}\n", ["rl.kl_coef = 0.1", "reference model", "set rl.kl_coef = 0"]),
+    ("parallel: {pp: 2}\nmodel: {layers: 2}\n", ["parallel.pp = 2", "must be 1 with train.backend = 'megatron'"]),
+    ("memory: {weight_bytes: 1}\n", ["memory.weight_bytes = 1", "must be 2", "or 4"]),
+])
+def test_megatron_settings_it_cannot_run_are_refused_at_load(tmp_path, text, fragments):
+    with pytest.raises(ConfigError) as info:
+        _load(tmp_path, "train: {backend: megatron}\n" + text)
+    for fragment in fragments:
+        assert fragment in str(info.value), str(info.value)
+
+
+def test_megatron_loads_for_rl_and_torch_is_unaffected(tmp_path):
+    assert _load(tmp_path, "train: {backend: megatron}\n").train.backend == "megatron"
+    assert _load(tmp_path, "train: {backend: torch}\nrl: {kl_coef: 0.1}\nparallel: {pp: 2}\n").train.backend == "torch"
+
+
+@no_gpu
+def test_megatron_on_cpu_stops_with_an_error_naming_the_fix(tmp_path):
+    from rlslurm.dist import Topology
+    from rlslurm.jobs.rl import make_policy
+
+    job = JobConfig()
+    job = dataclasses.replace(job, train=dataclasses.replace(job.train, backend="megatron"))
+    topo = Topology(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=0)
+    with pytest.raises(RlslurmError) as info:
+        make_policy(job, topo, tmp_path)  # before it reads anything from tmp_path
+    message = str(info.value)
+    for fragment in ("train.backend = 'megatron' needs a CUDA GPU", "Set train.backend = torch", "[gpu]",
+                     torch.__version__):
+        assert fragment in message, message
+
+
+def test_megatron_trainer_follows_the_plans_memory_settings(tmp_path):
+    from rlslurm.megatron.policy import train_config
+
+    job = _load(tmp_path, "train: {backend: megatron}\nmemory: {weight_bytes: 4, recompute: full, "
+                          "distributed_optimizer: false}\n")
+    cfg = train_config(job)
+    assert (cfg.bf16, cfg.recompute, cfg.distributed_optimizer) == (False, "full", False)
+    assert train_config(JobConfig()).bf16
+
+
+def test_checkpoint_shape_is_read_from_config_json_and_other_layouts_are_refused(tmp_path):
+    from rlslurm.megatron.policy import hf_model_spec
+
+    config = {"model_type": "llama", "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "num_hidden_layers": 3, "intermediate_size": 512, "vocab_size": 40, "max_position_embeddings": 64,
+              "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "rope_parameters": {"rope_theta": 10000.0}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    spec, eps = hf_model_spec(tmp_path)
+    assert (spec.layers, spec.hidden, spec.heads, spec.n_kv_heads, spec.ffn_hidden, spec.vocab,
+            spec.max_positions, spec.tie_embeddings, eps) == (3, 256, 4, 2, 512, 40, 64, False, 1e-5)
+    for change in ({"model_type": "mistral"}, {"head_dim": 128}, {"rope_parameters": {"rope_theta": 5e5}}):
+        (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(ConfigError, match="config.json"):
+            hf_model_spec(tmp_path)
+
+
+def test_the_smoke_job_loads_and_plans_one_colocated_gpu():
+    from rlslurm.plan.report import build_plan, preflight, render_json
+
+    job = load_config(ROOT / "examples" / "tiny-grpo-gpu.yaml")
+    assert (job.train.backend, job.rollout.engine, job.placement.mode, job.train.steps) == ("megatron", "vllm",
+                                                                                              "colocate", 2)
+    assert job.model.hidden // job.model.heads == 64  # a head size every vLLM attention backend serves
+    assert job.rollout.gpu_memory_utilization < 0.5  # the trainer shares the GPU
+    plan = build_plan(job)
+    assert not preflight(plan)
+    data = json.loads(render_json(plan))
+    assert (data["chosen"]["placement"], data["chosen"]["train_gpus"]) == ("colocate", 1)
+    # The fixture's plan.json is this job's plan: the report's "predicted" is what the planner says.
+    assert json.loads((FIXTURE / "plan.json").read_text())["splits"] == data["splits"]
+
+
+def test_smoke_script_is_valid_bash_and_strict():
+    script = ROOT / "bench" / "gpu_smoke.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    text = script.read_text()
+    assert "set -euo pipefail" in text and "nvidia-smi" in text and "bench/gpu_smoke.py run" in text
+
+
+def _smoke():
+    spec = importlib.util.spec_from_file_location("gpu_smoke", ROOT / "bench" / "gpu_smoke.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_report_reads_verify_gbps_and_peak_memory_from_a_run_directory(tmp_path, capsys):
+    smoke = _smoke()
+    s = smoke.summarize(FIXTURE)
+    assert s.ok and s.done and (s.steps_wanted, s.steps_done) == (2, 2)
+    assert [(x.version, x.transport, x.verified) for x in s.syncs] == [(0, "ipc", True), (1, "ipc", True),
+                                                                       (2, "ipc", True)]
+    assert s.nccl is False  # ipc, although the trainer had NCCL
+    assert s.predicted_peak_gb == pytest.approx(4.2617)
+    assert (s.measured_peak_allocated_gb, s.measured_peak_reserved_gb) == (2.75, 3.02)
+    text = smoke.render(s)
+    for line in ("sync to v1: ipc, VERIFY passed (attempts 1), update 4.00 GB/s (486.7 MB in 0.122 s)",
+                 "NCCL: not exercised", "predicted 4.26 GB", "measured 2.75 GB allocated / 3.02 GB reserved",
+                 "measured/predicted 0.65", "result: PASS"):
+        assert line in text, text
+    assert smoke.main(["report", str(FIXTURE), "--json", str(tmp_path / "s.json")]) == 0
+    assert json.loads((tmp_path / "s.json").read_text())["ok"] is True
+    capsys.readouterr()
+
+
+def test_report_fails_on_a_failed_sync_a_missing_step_or_no_memory_figure(tmp_path):
+    smoke = _smoke()
+    run = tmp_path / "run"
+    shutil.copytree(FIXTURE, run)
+    events = (run / "events.jsonl").read_text().splitlines()
+    kept = [e for e in events if '"version": 2' not in e and '"done"' not in e]
+    kept.append(json.dumps({"kind": "sync_failed", "version": 2, "transport": "ipc", "reason": "checksum mismatch"}))
+    (run / "events.jsonl").write_text("\n".join(kept) + "\n")
+    metrics = (run / "metrics.jsonl").read_text().splitlines()[:1]
+    (run / "metrics.jsonl").write_text("\n".join(line.replace('"train_peak_allocated_gb"', '"x"') for line in metrics)
+                                       + "\n")
+    s = smoke.summarize(run)
+    assert not s.ok
+    problems = " | ".join(s.problems)
+    for fragment in ("no `done` event", "1 of train.steps = 2", "sync_failed version 2", "2 verified syncs, expected 3",
+                     "no train_peak_allocated_gb"):
+        assert fragment in problems, problems
+    assert "result: FAIL" in smoke.render(s)
+    # broadcast on a CUDA trainer counts as NCCL
+    (run / "events.jsonl").write_text((FIXTURE / "events.jsonl").read_text().replace('"ipc"', '"broadcast"'))
+    assert smoke.summarize(run).nccl
