@@ -63,6 +63,14 @@ class Engine(abc.ABC):
 
     model_name: str
     version: int
+    tokenizer: object
+    """The model's own Hugging Face tokenizer (a callable returning input_ids)."""
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt: text through the model's tokenizer, or ids as they came."""
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt)["input_ids"])
+        return [int(t) for t in prompt]
 
     @abc.abstractmethod
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[list[Completion]]:
@@ -127,11 +135,6 @@ class HFEngine(Engine):
         self._lock = threading.Lock()  # generate and load_weights never overlap
 
     # -- generation ------------------------------------------------------------------------------
-    def encode(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            return list(self.tokenizer(prompt)["input_ids"])
-        return [int(t) for t in prompt]
-
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[list[Completion]]:
         from transformers import GenerationConfig
 

@@ -249,11 +249,6 @@ class VLLMEngine(Engine):
         return result
 
     # -- generation ------------------------------------------------------------------------------
-    def encode(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            return list(self.tokenizer(prompt)["input_ids"])
-        return [int(t) for t in prompt]
-
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[list[Completion]]:
         import vllm
 
