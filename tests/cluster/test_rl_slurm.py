@@ -255,7 +255,10 @@ def test_drain_mid_rl_requeues_and_resumes_same_step_version_and_trajectory(slur
     else:
         assert drained["requeued"] is True
         if trigger == "usr1":
-            assert sorted(e["rank"] for e in requested) == [0, 1] and {e["signal"] for e in requested} == {"SIGUSR1"}
+            # slurmstepd signals the tasks one by one: a rank whose USR1 lands after the ranks agreed on the
+            # drain step (the all-reduce of the flags) drains by its peer's flag and records no request.
+            assert requested and {e["signal"] for e in requested} == {"SIGUSR1"}
+            assert {e["rank"] for e in requested} <= {0, 1}
         else:
             # A rank whose gate had not polled the file yet drains by the others' flag (the all-reduce).
             assert requested and all("control file" in e["reason"] for e in requested)
