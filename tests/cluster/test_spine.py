@@ -103,7 +103,9 @@ def test_usr1_drains_all_ranks_at_one_step_requeues_and_resumes_exactly(slurm_cl
     run = sub.run_dir
 
     requested = su.events(run, "drain_requested")
-    assert sorted(e["rank"] for e in requested) == [0, 1] and {e["signal"] for e in requested} == {"SIGUSR1"}
+    # slurmstepd signals the tasks one by one: a rank whose USR1 lands after the ranks agreed on the drain
+    # step (the all-reduce of the flags) drains by its peer's flag and records no request.
+    assert requested and {e["signal"] for e in requested} == {"SIGUSR1"} and {e["rank"] for e in requested} <= {0, 1}
     (drained,) = su.events(run, "drained")
     step = drained["step"]
     assert 6 <= step < STEPS and drained["checkpoint"] == step_dirname(step) and drained["requeued"] is True
