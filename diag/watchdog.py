@@ -12,7 +12,8 @@ process is alive -> a rank is hung when now - last_progress > the phase timeout 
 dump the stacks of every watched rank on this node into <run>/stacks/<stamp>/<host>-<role>-<rank>.txt
 (diag/stack_dump.py), emit `hang_detected` naming the stuck ranks, their phases, the collective the
 others wait in (a rank found in a collective counts as waiting even before its own timeout ran out: it
-entered the collective a moment after the stuck rank stopped), then act by `diag.hang_policy`:
+entered the collective a moment after the stuck rank stopped; a stopped process, state T, counts as stuck
+whatever its stack shows: SIGSTOP may catch it inside the collective), then act by `diag.hang_policy`:
 
 - dump: nothing more; keep watching (the same hang is not reported twice).
 - requeue: write <run>/control/drain (the drain gate of every process reads it), `scontrol requeue` the
@@ -188,9 +189,12 @@ class Watchdog:
         stacks_dir.mkdir(parents=True, exist_ok=True)
         for r in watched:
             self._dump(r, stacks_dir)
-        # A rank in a collective waits on the stuck one even if its own timeout has a moment to go.
-        waiting = [r for r in watched if collective_in(r.dump.text)]
-        elsewhere = [r for r in hung if r not in waiting]
+        # A stopped process (state T) is the stuck one whatever its stack shows: SIGSTOP may have caught
+        # it inside the collective its peers now wait in. Any other rank found in a collective waits on
+        # the stuck one, even if its own timeout has a moment to go.
+        stopped = [r for r in watched if r.dump.state == "stopped"]
+        waiting = [r for r in watched if r not in stopped and collective_in(r.dump.text)]
+        elsewhere = [r for r in watched if r in stopped or (r.hung and r not in waiting)]
         collective = next((collective_in(r.dump.text) for r in waiting), None)
         report = HangReport(hung, watched, stacks_dir, _message(waiting, elsewhere),
                             [r.name for r in waiting], [r.name for r in elsewhere], collective)
@@ -233,7 +237,8 @@ class Watchdog:
                     done["requeue"] = str(self.requeue(str(job_id)))
                 except Exception as e:  # a failed requeue must not stop the kill: the job still has to end
                     done["requeue"] = f"failed: {e}"
-        wedged = report.hung + [r for r in report.watched if r.name in report.waiting and r not in report.hung]
+        named = set(report.waiting) | set(report.elsewhere)
+        wedged = report.hung + [r for r in report.watched if r.name in named and r not in report.hung]
         done["killed"] = self._kill(wedged)
         emit(self.run, "hang_action", role="watchdog", rank=None, action=policy, **done)
         log.error("hang action %s: %s", policy, done)

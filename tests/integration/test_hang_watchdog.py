@@ -149,10 +149,11 @@ def test_sigstopped_rank_detected_by_the_agent_process(run):
         out, _ = agent.communicate(timeout=10)
         assert agent.returncode == 0, out
         (hang,) = read_events(run, "hang_detected")
-        assert hang["stuck"] == ["train-1"] and hang["waiting"] == ["train-0"], hang
-        assert "process stopped (state T)" in hang["message"]
         files = sorted(Path(hang["stacks_dir"]).iterdir())
         texts = [f.read_text() for f in files]
+        evidence = f"{hang}\n--- agent\n{out}\n--- stacks\n" + "\n".join(texts)
+        assert hang["stuck"] == ["train-1"] and hang["waiting"] == ["train-0"], evidence
+        assert "process stopped (state T)" in hang["message"]
         assert "stopped (state T)" in texts[1] and "py-spy --nonblocking" in texts[1]
         assert "all_reduce" in texts[0]
         assert all(p.poll() is None for p in procs)  # policy dump: nobody killed

@@ -112,6 +112,26 @@ def test_a_rank_in_a_collective_counts_as_waiting_before_its_own_timeout_and_is_
     assert sorted(action["killed"]) == ["train-0", "train-1"]  # the waiting rank is wedged as well
 
 
+def test_a_stopped_rank_caught_inside_the_collective_is_the_stuck_one_not_a_waiter(run):
+    """SIGSTOP can land while a rank sits in all_reduce: its stack then shows the collective too, but a
+    process in state T waits on nobody, so it is named stuck and its peer is the one waiting."""
+    clock = Clock()
+    stopped = HeartbeatWriter(run, "train", 1, interval_s=1, clock=clock, background=False)
+    stopped.update(phase="train", step=4, phase_timeout_s=3.0, force=True)
+    peer = HeartbeatWriter(run, "train", 0, interval_s=1, clock=clock, background=False)
+    peer.update(phase="train", step=4, phase_timeout_s=3.0, force=True)
+
+    def dump(pid, faulthandler_file, **kw):
+        state = "sleeping" if faulthandler_file.name.endswith("-0.txt") else "stopped"
+        return StackDump(pid, fake_dump(pid).text, "py-spy", state)
+
+    dog = Watchdog(run, DiagConfig(hang_policy="dump"), clock=clock, dump=dump)
+    clock.t += 3.5
+    report = dog.poll()
+    assert report.elsewhere == ["train-1"] and report.waiting == ["train-0"] and report.collective == "all_reduce"
+    assert "process stopped (state T)" in report.message and report.message.endswith("train-0 waits on train-1")
+
+
 def test_agent_exits_when_no_heartbeat_appears_within_the_idle_limit(run):
     clock = Clock()
     dog = Watchdog(run, DiagConfig(agent_idle_exit_s=30, watch_interval_s=1), clock=clock, sleep=clock.sleep)
