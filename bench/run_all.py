@@ -1,7 +1,7 @@
 """All of rlslurm's benchmarks in one run, side by side: one table of ratios and bench/results.json.
 
-    python bench/run_all.py            # full sizes (~70 s on 2 cores, +3 min with the overlap bench)
-    python bench/run_all.py --quick    # smaller sizes (~30 s on 2 cores, +2 min with the overlap bench)
+    python bench/run_all.py            # full sizes (~8 min on 2 cores)
+    python bench/run_all.py --quick    # smaller sizes (~5 min on 2 cores)
     python bench/run_all.py --only sync --json-out /tmp/r.json
 
 Benches (each file also runs alone):
@@ -11,6 +11,8 @@ Benches (each file also runs alone):
     sync    bench/bench_sync.py     each weight-sync method vs. its raw transport; protocol overhead
     overlap bench/bench_overlap.py  RL step time running ahead of the trainer (rl.max_staleness 1) vs.
                                     synchronous, against max(rollout, reward, train) + sync
+    requeue bench/bench_requeue.py  requeue -> training again on the real local Slurm (needs root and
+                                    sbatch/install.sh), by scontrol requeue and by rlslurm drain
 
 A bench module that defines `run(quick) -> dict` and `rows(result) -> list[dict]` is called through
 them; for the others an adapter below calls the functions the file exposes. Every ratio is measured
@@ -47,6 +49,9 @@ MEANINGS = {
                "reward, train medians + its sync); on 2 cores the trainer ranks hold both cores while they train, "
                "so the rollout beside them gets little: the ratio is a lower bound of the overlap's gain; CPU floor: "
                "(rollout + 2 ranks x train + reward core-seconds) / cores + sync, the best 2 cores allow",
+    "requeue": "seconds from the trigger to the first training step after the restart / SLURM's part of them "
+               "(trigger -> the restart's processes start; on the local cluster at least cred_expire 5 s + "
+               "KillWait 5 s); the rest is rlslurm's: imports, rendezvous, checkpoint load",
     "sync": "UPDATE vs raw: raw transport seconds / protocol UPDATE seconds for the same bytes (1.0 = no loss); "
             "overhead: (DRAIN + VERIFY) / UPDATE, checksums are inside UPDATE (computed as bytes move); "
             "whole-sync overhead: (whole sync - UPDATE) / UPDATE",
@@ -119,7 +124,7 @@ def opskit_rows(r: dict) -> list[dict]:
 
 
 ADAPTERS = {"reward": (reward_run, reward_rows), "opskit": (opskit_run, opskit_rows)}
-BENCHES = ("reward", "opskit", "sync", "overlap")
+BENCHES = ("reward", "opskit", "sync", "overlap", "requeue")
 
 
 def run_bench(name: str, quick: bool) -> dict:

@@ -47,6 +47,7 @@ import socket
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import psutil
@@ -368,26 +369,40 @@ class Controller:
         rng = random.Random(self.job.train.seed * 1_000_003 + step)
         return rng.sample(self.train_set, self.job.rl.prompts_per_step)
 
-    def rollout(self, problems: list[Problem], step: int, guard: PhaseGuard, on_choices=None) -> list[dict]:
-        """k samples per prompt from the engines; prompts split across engines in a fixed order.
-        `on_choices(batch)` gets each engine's responses as they arrive (the reward service scores them
-        while the next engine is asked)."""
-        cfg, n_eng = self.job.rollout, len(self.engines.clients)
+    def rollout(self, problems: list[Problem], step: int, guard: PhaseGuard,
+                on_choices=None) -> tuple[list[dict], list[float]]:
+        """k samples per prompt from the engines, all asked at once (a step's rollout takes the slowest
+        engine's time, not their sum); prompts split across engines in a fixed order. `on_choices(batch)`
+        gets each engine's responses in this thread as they arrive, so the reward service scores them
+        while the other engines still generate. Returns the choices in prompt order and each engine's
+        seconds for its share."""
+        cfg, n_eng, k = self.job.rollout, len(self.engines.clients), self.job.rl.samples_per_prompt
+        shares = {i: [self.format.text(p.prompt) for j, p in enumerate(problems) if j % n_eng == i]
+                  for i in range(n_eng)}
+
+        def ask(i: int) -> tuple[int, dict, float]:
+            t = time.monotonic()
+            out = self.engines.clients[i].completions(shares[i], n=k, max_tokens=cfg.max_new_tokens,
+                                                      temperature=cfg.temperature,
+                                                      seed=self.job.train.seed * 7919 + step * 31 + i)
+            return i, out, time.monotonic() - t
+
         choices: list[dict] = []
-        for i, client in enumerate(self.engines.clients):
-            share = [self.format.text(p.prompt) for j, p in enumerate(problems) if j % n_eng == i]
-            if not share:
-                continue
-            out = client.completions(share, n=self.job.rl.samples_per_prompt, max_tokens=cfg.max_new_tokens,
-                                     temperature=cfg.temperature, seed=self.job.train.seed * 7919 + step * 31 + i)
-            guard.beat()
-            # back to prompt order: engine i holds prompts i, i + n_eng, ...
-            batch = [{**c, "engine": i, "prompt_index": (k // self.job.rl.samples_per_prompt) * n_eng + i}
-                     for k, c in enumerate(out["choices"])]
-            if on_choices is not None:
-                on_choices(batch)
-            choices.extend(batch)
-        return sorted(choices, key=lambda c: (c["prompt_index"], c["index"]))
+        engine_s = [0.0] * n_eng
+        asked = [i for i in range(n_eng) if shares[i]]
+        # One thread per engine: each waits on its HTTP answer; a failed request raises here after the
+        # others answered (or hit rollout.request_timeout_s).
+        with ThreadPoolExecutor(max_workers=len(asked), thread_name_prefix="rollout") as pool:
+            for done in as_completed([pool.submit(ask, i) for i in asked]):
+                i, out, engine_s[i] = done.result()
+                guard.beat()
+                # back to prompt order: engine i holds prompts i, i + n_eng, ...
+                batch = [{**c, "engine": i, "prompt_index": (m // k) * n_eng + i}
+                         for m, c in enumerate(out["choices"])]
+                if on_choices is not None:
+                    on_choices(batch)
+                choices.extend(batch)
+        return sorted(choices, key=lambda c: (c["prompt_index"], c["index"])), engine_s
 
     def reward_item(self, problems: list[Problem], choice: dict):
         """One response as the reward service scores it: normalised text (task.answer = lenient: the integer
@@ -468,9 +483,9 @@ class Controller:
 
         t = time.monotonic()
         with guard.phase("rollout", step=step):
-            choices = self.rollout(problems, step, guard, on_choices=arrived)
+            choices, engine_s = self.rollout(problems, step, guard, on_choices=arrived)
         return {"step": step, "choices": choices, "assembler": assembler, "scoring": scoring,
-                "rollout_s": time.monotonic() - t}
+                "rollout_s": time.monotonic() - t, "rollout_engine_s": engine_s}
 
     def _finish_step(self, flight: dict, guard) -> Experience:
         """The rest of a step: the rewards the rollout did not hide, the last groups' advantages, stats."""
@@ -491,7 +506,7 @@ class Controller:
             versions[int(c["policy_version"])] = versions.get(int(c["policy_version"]), 0) + 1
         tokens = sum(len(c["token_ids"]) for c in choices)
         scored = [r for r in rewards if r is not None]
-        stats = {"rollout_s": flight["rollout_s"], "reward_s": reward_s,
+        stats = {"rollout_s": flight["rollout_s"], "rollout_engine_s": flight["rollout_engine_s"], "reward_s": reward_s,
                  "reward_mean": sum(scored) / max(len(scored), 1), "samples": len(choices),
                  "effective_samples": len(samples), "zero_variance_groups": dropped, "generated_tokens": tokens,
                  "tokens_per_s": tokens / max(flight["rollout_s"], 1e-9), **reward_stats}
