@@ -6,7 +6,8 @@
 Contents (under diag-<run>-<stamp>/): summary.txt/.json; slurm/ (scontrol show job, sacct or sacct -c);
 run/ (config.yaml, plan.json, jobs.jsonl, submissions.jsonl, events.jsonl, metrics tail, rendered sbatch
 scripts); heartbeats.txt + heartbeats/; env/ fingerprints + env-diff.txt; stacks/ (dumps of hangs,
-faulthandler files, and a live py-spy dump of processes still running on this host); logs/ (the tail
+faulthandler files, and a live py-spy dump of every process still running: on this host directly, on a
+running job's nodes through `srun --overlap` into the job); logs/ (the tail
 of each log); checkpoints.txt.
 
 Redaction, everywhere, before anything is written: values of keys whose name contains TOKEN, KEY,
@@ -32,7 +33,7 @@ import yaml
 from rlslurm.diag import summary as summ
 from rlslurm.diag.env_diff import compare, read_fingerprints
 from rlslurm.diag.heartbeat import pid_alive, read_heartbeats, table, this_host
-from rlslurm.diag.stack_dump import dump_stack
+from rlslurm.diag.stack_dump import dump_stack, py_spy_binary
 from rlslurm.errors import RlslurmError, RunDirError
 from rlslurm.rundir import RunDir, read_jsonl
 
@@ -195,6 +196,61 @@ def _checkpoints(run: RunDir) -> str:
     return "\n".join(rows or ["no checkpoints"]) + "\n"
 
 
+def live_dumps(beats: list[dict], job_id: str | None, native: bool = True) -> dict[str, str]:
+    """heartbeat name -> stack dump of each process whose heartbeat says running: on this host by
+    dump_stack, on a node of the running SLURM job `job_id` by py-spy in an `srun --overlap` step of the
+    job (SLURM's own way onto its nodes: a login node often has no ssh into them, and --overlap leaves
+    the job's CPUs with it). py-spy is looked up where it is here (the shared venv), else on the PATH."""
+    out = {}
+    nodes = _job_nodes(job_id) if job_id else {}
+    for hb in beats:
+        if hb.get("state") != "running":
+            continue
+        name = hb["file"][:-5]
+        if hb.get("host") == this_host():
+            if pid_alive(hb):
+                d = dump_stack(int(hb["pid"]), native=native, timeout_s=20)
+                out[name] = f"# live dump of pid {hb['pid']} by {d.method}, process {d.state}\n{d.text}"
+        elif hb.get("host") in nodes:
+            out[name] = _srun_dump(job_id, hb["host"], nodes[hb["host"]], int(hb["pid"]), native)
+    return out
+
+
+def _job_nodes(job_id: str) -> dict[str, int | None]:
+    """node -> het group (None: not a het job) of the job's running components, from scontrol."""
+    from rlslurm.slurm import commands, parse
+
+    try:
+        records = commands.show_job(job_id)
+    except RlslurmError:
+        return {}
+    return {node: int(r["HetJobOffset"]) if "HetJobOffset" in r else None
+            for r in records if r.get("JobState") == "RUNNING" and r.get("NodeList") not in (None, "(null)")
+            for node in parse.expand_nodelist(r["NodeList"])}
+
+
+def _srun_dump(job_id: str, node: str, group: int | None, pid: int, native: bool) -> str:
+    from rlslurm.slurm import commands
+
+    binary = py_spy_binary() or "py-spy"
+    tried = []
+    # As dump_stack: native frames first; a stopped process (state T) only without pausing it.
+    for extra in ([["--native"]] if native else []) + [[], ["--nonblocking"]]:
+        try:
+            done = commands.srun_overlap(job_id, [binary, "dump", "--pid", str(pid), *extra], node=node,
+                                         het_group=group, timeout_s=40)
+        except RlslurmError as e:
+            tried.append(str(e))
+            break
+        how = f"py-spy {' '.join(extra)}".strip()
+        if done.returncode == 0 and "Thread" in done.stdout:
+            return (f"# live dump of pid {pid} on {node} by {how} in `srun --overlap` (job {job_id}"
+                    f"{'' if group is None else f', het group {group}'})\n{done.stdout}")
+        err = (done.stderr or done.stdout).strip().splitlines()
+        tried.append(f"{how} exit {done.returncode}: {err[-1] if err else ''}")
+    return f"# no live dump of pid {pid} on {node}: " + "; ".join(tried) + "\n"
+
+
 def collect(target: str | Path, *, run_root: Path | None = None, out_dir: Path | None = None,
             live: bool = True, slurm: bool = True, log_tail_lines: int = 200, native: bool = True) -> Bundle:
     """Collect, redact and summarise one run into <out_dir>/diag-<run>-<stamp>.tar.gz."""
@@ -244,11 +300,8 @@ def collect(target: str | Path, *, run_root: Path | None = None, out_dir: Path |
             if p.is_file():
                 files[f"stacks/{p.relative_to(run.stacks)}"] = _tail(p, 5000)
     if live:
-        for hb in beats:
-            if hb.get("host") == this_host() and hb.get("state") == "running" and pid_alive(hb):
-                d = dump_stack(int(hb["pid"]), native=native, timeout_s=20)
-                files[f"stacks/live-{stamp}/{hb['file'][:-5]}.txt"] = \
-                    f"# live dump of pid {hb['pid']} by {d.method}, process {d.state}\n{d.text}"
+        files.update({f"stacks/live-{stamp}/{name}.txt": text
+                      for name, text in live_dumps(beats, job_id if state == "RUNNING" else None, native).items()})
     files.update({f"logs/{k}.tail": v for k, v in logs.items()})
     files["checkpoints.txt"] = _checkpoints(run)
 

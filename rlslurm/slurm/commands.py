@@ -1,5 +1,5 @@
 """The one seam through which rlslurm talks to SLURM: every sbatch / squeue / sacct / scontrol / scancel /
-sinfo / srun-free command goes through `run()`.
+sinfo command, and `srun --overlap` into a running job (a live stack dump on its node), goes through `run()`.
 
     from rlslurm.slurm import commands
     job_id = commands.sbatch(["/runs/a b/job.sbatch"])            # -> "12"
@@ -154,3 +154,13 @@ def scancel(job_id: str, *, signal: str | None = None, batch: bool = False, full
     if full:
         argv.append("-f")
     run([*argv, str(job_id)], **kw)
+
+
+def srun_overlap(job_id: str, argv: Sequence[str], *, node: str, het_group: int | None = None,
+                 **kw) -> CommandResult:
+    """`srun --jobid=J [--het-group=G] --overlap -N1 -n1 -w NODE ARGV`, unchecked: one task beside the running
+    job's steps on NODE (its CPUs stay with the job). A het job is reached through its leader's id and the
+    component's group; the component's own id is refused ("not heterogeneous job leader")."""
+    group = [f"--het-group={het_group}"] if het_group is not None else []
+    return run(["srun", f"--jobid={job_id}", *group, "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}",
+                "--quiet", *argv], check=False, **kw)

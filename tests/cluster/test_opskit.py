@@ -271,8 +271,17 @@ def test_drain_cli_on_a_running_job_checkpoints_requeues_and_resumes_to_the_same
     sub = su.submit(ops_config(tmp_path / "drain.yaml", tmp_path / "runs", step_delay_s=0.5))
     run = sub.run_dir
     su.wait_for("step 3", lambda: su.last_step(run) >= 3, JOB_TIMEOUT_S)
-    out, _ = diag(sub.job_id, tmp_path / "runs", tmp_path)
+    out, bundle = diag(sub.job_id, tmp_path / "runs", tmp_path)
     assert re.search(r"cause: still running \(step \d+; train-0 in \w+, train-1 in \w+\)", out), out
+    # The ranks' heartbeats name node n1, not this host: their live stacks came through an srun --overlap
+    # step into the job, py-spy on the node, as on a cluster whose nodes the login node cannot reach.
+    with tarfile.open(bundle) as tar:
+        live = {Path(m.name).name: tar.extractfile(m).read().decode() for m in tar.getmembers()
+                if "/stacks/live-" in m.name and m.isfile()}
+    for rank in ("train-0", "train-1"):
+        text = live[f"{rank}.txt"]
+        assert "on n1 by py-spy" in text and "in `srun --overlap` (job " in text and "Thread " in text, text
+        assert "toytrain.py" in text, text  # the rank's own frames, not py-spy's or srun's
 
     result = CliRunner().invoke(cli, ["drain", sub.job_id, "--run-root", str(tmp_path / "runs"),
                                       "--reason", "node maintenance"], catch_exceptions=False)
