@@ -297,6 +297,9 @@ def _train(job: JobConfig, run: RunDir, topo: Topology, gate: DrainGate, guard: 
         if topo.is_main:
             run.append_json(run.metrics, {"t": time.time(), "kind": "sft_step", "step": state.step,
                                           "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_s": step_s})
+        if train.step_delay_s:
+            with guard.phase("train", step=state.step):
+                time.sleep(train.step_delay_s)  # stands in for compute: tests signal mid-run
     # The trained state, checkpointed before the export: a restart after this point only re-exports.
     save()
     checksum = weights_sha256(state.model)

@@ -34,7 +34,7 @@ class TrainConfig:
     dist_timeout_s: float = 120.0
     """Seconds a rank waits for its peers in the process group (join and collectives) before failing."""
     step_delay_s: float = 0.0
-    """job.kind toy and rl: idle seconds per step standing in for compute, so spine tests can signal mid-run."""
+    """Idle seconds per step standing in for compute (toy, sft and rl jobs), so spine tests can signal mid-run."""
 
     def __post_init__(self):
         check(self.steps >= 1, "steps", "must be >= 1")
