@@ -88,7 +88,7 @@ class BroadcastGroup:
         in_flight: deque = deque()
         total = 0
         for i, bucket in enumerate(plan_buckets(manifest, bucket_bytes)):
-            flat = landing.buffer(i, bucket.nbytes)
+            flat = landing.buffer(i, bucket.nbytes, device=self.device)
             in_flight.append((i, bucket, flat, self.broadcast_async(flat)))
             if len(in_flight) >= PIPELINE_DEPTH:
                 total += _land(landing, *in_flight.popleft())

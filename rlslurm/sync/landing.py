@@ -94,21 +94,24 @@ class Landing:
         self.open = True
 
     # -- receiving ---------------------------------------------------------------------------------
-    def buffer(self, index: int, nbytes: int) -> torch.Tensor:
+    def buffer(self, index: int, nbytes: int, device: torch.device | None = None) -> torch.Tensor:
         """A uint8 buffer for bucket `index` to be received into directly (then `land` it).
 
-        Staged: the bucket's own buffer, kept and later served. In place: one of a few scratch
-        buffers taken in turn; a transport may have up to SCRATCH_SLOTS buckets in flight.
+        Staged: the bucket's own buffer, kept and later served, on the served weights' device. In place:
+        one of a few scratch buffers taken in turn (a transport may have up to SCRATCH_SLOTS buckets in
+        flight), on `device`, the transport's: an engine whose weights live in another process (vLLM's
+        worker) has no device of its own here, and NCCL receives only into GPU memory.
         """
         if self.staged:
             if index not in self.buffers:
                 self.buffers[index] = self.pool.take(nbytes, self.device)
             return self.buffers[index]
+        device = device or self.device
         slot = index % SCRATCH_SLOTS
         while len(self._scratch) <= slot:
-            self._scratch.append(torch.empty(0, dtype=torch.uint8, device=self.device))
-        if self._scratch[slot].numel() < nbytes:
-            self._scratch[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            self._scratch.append(torch.empty(0, dtype=torch.uint8, device=device))
+        if self._scratch[slot].numel() < nbytes or self._scratch[slot].device != device:
+            self._scratch[slot] = torch.empty(nbytes, dtype=torch.uint8, device=device)
         return self._scratch[slot][:nbytes]
 
     def land(self, index: int, bucket: Bucket, flat: torch.Tensor) -> int:

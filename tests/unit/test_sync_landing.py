@@ -117,6 +117,18 @@ def test_in_place_update_loads_as_it_lands_and_leaves_checksums_to_the_engine():
     assert checksums(engine.named_weights()) == checksums(make(1).items())
 
 
+def test_in_place_scratch_lives_on_the_transports_device_staged_on_the_served_one():
+    """vLLM's weights live in its worker: in place, a broadcast lands in the group's device (NCCL receives
+    only into GPU memory); staged buffers are served, so they stay on the served weights' device. The meta
+    device stands in for CUDA here: only the placement is under test."""
+    meta = torch.device("meta")
+    in_place = Landing(DictEngine({k: v.clone() for k, v in make(0).items()}, adopts=False), staged=False)
+    assert in_place.buffer(0, 64).device.type == "cpu"
+    assert in_place.buffer(0, 64, device=meta).device == meta  # the slot follows the device asked for
+    staged = Landing(DictEngine({k: v.clone() for k, v in make(0).items()}, adopts=True), staged=True)
+    assert staged.buffer(0, 64, device=meta).device.type == "cpu"
+
+
 @pytest.fixture(scope="module")
 def hf_engine(tmp_path_factory):
     spec = ModelConfig(hidden=32, ffn_hidden=64, layers=1, heads=4)
