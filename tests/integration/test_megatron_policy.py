@@ -262,12 +262,7 @@ def test_ipc_sync_to_a_vllm_engine_on_the_same_gpu_passes_verify(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                     reason="NCCL refuses two ranks on one GPU ('Duplicate GPU detected'): needs 2 GPUs")
-@pytest.mark.parametrize("engine_kind", [
-    "hf",
-    pytest.param("vllm", marks=pytest.mark.xfail(
-        reason="read from the code, not seen: a vLLM engine does not adopt weights, so its landing buffers "
-               "are CPU tensors (rlslurm/sync/landing.py) and a NCCL broadcast into them fails", strict=False)),
-])
+@pytest.mark.parametrize("engine_kind", ["hf", "vllm"])  # vllm: lands in place, into the group's GPU scratch
 def test_nccl_broadcast_sync_to_an_engine_on_a_second_gpu_passes_verify(tmp_path, engine_kind):
     if engine_kind == "vllm":
         pytest.importorskip("vllm", reason="needs the [gpu] extra (vllm)")
