@@ -61,7 +61,7 @@ from rlslurm.config import JobConfig
 from rlslurm.diag.drain_gate import DrainGate, agreed_reason
 from rlslurm.diag.env_diff import compare, read_fingerprints, write_fingerprint
 from rlslurm.diag.guard import PhaseGuard
-from rlslurm.dist import Topology, free_port, init_process_group
+from rlslurm.dist import Topology, compute_device, free_port, init_process_group
 from rlslurm.errors import RlslurmError
 from rlslurm.lifecycle import ExitCode
 from rlslurm.reward.config import RewardConfig
@@ -89,14 +89,15 @@ class Policy:
     def __init__(self, job: JobConfig, topo: Topology, model_dir: Path):
         self.job, self.topo = job, topo
         model, self.tokenizer = load_hf(model_dir)  # the tokenizer: the controller's, and the export's
-        self.model = model.float()
+        self.device = compute_device()
+        self.model = model.float().to(self.device)
         self.ddp = DistributedDataParallel(self.model) if topo.world_size > 1 else self.model
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=job.train.lr,
                                            weight_decay=job.train.weight_decay)
         self.reference = None
         if job.rl.kl_coef > 0:
             self.reference, _ = load_hf(model_dir)
-            self.reference.float().eval().requires_grad_(False)
+            self.reference.float().to(self.device).eval().requires_grad_(False)
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The tensors the engines serve, in Hugging Face names; a tied tensor once, under its first name
@@ -133,7 +134,7 @@ class Policy:
             # Peers train this step: join DDP's all-reduce with a zero loss through the DDP wrapper (its
             # hooks fire only after a forward through it) and take the optimizer step on the averaged
             # gradient like them, or this rank's weights drift away from theirs.
-            ids = torch.full((1, 2), PAD_ID, dtype=torch.long)
+            ids = torch.full((1, 2), PAD_ID, dtype=torch.long, device=self.device)
             loss = self._logprobs(self.ddp, ids, torch.ones_like(ids)).sum() * 0.0
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
@@ -150,7 +151,8 @@ class Policy:
             attn[i, : len(seq)] = 1
             # position t predicts token t+1: response tokens are predicted from len(prompt)-1 on
             loss_mask[i, len(s.prompt_ids) - 1: len(seq) - 1] = 1.0
-        adv = torch.tensor([s.advantage for s in samples])[:, None]
+        ids, attn, loss_mask = ids.to(self.device), attn.to(self.device), loss_mask.to(self.device)
+        adv = torch.tensor([s.advantage for s in samples], device=self.device)[:, None]
         with torch.no_grad():
             old = self._logprobs(self.model, ids, attn)
         behaviour = old
@@ -160,7 +162,7 @@ class Policy:
             for i in stale:
                 s = samples[i]
                 behaviour[i, len(s.prompt_ids) - 1: len(s.prompt_ids) - 1 + len(s.engine_logprobs)] = \
-                    torch.tensor(s.engine_logprobs)
+                    torch.tensor(s.engine_logprobs, device=self.device)
         new = self._logprobs(self.ddp, ids, attn)
         ratio = torch.exp(new - behaviour)
         surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip, 1 + clip) * adv)
@@ -169,7 +171,7 @@ class Policy:
         # answer does not outvote a short right one.
         per_seq = loss_mask.sum(1).clamp(min=1.0)
         loss = -((surrogate * loss_mask).sum(1) / per_seq).mean()
-        kl = torch.tensor(0.0)
+        kl = torch.tensor(0.0, device=self.device)
         if self.reference is not None:
             with torch.no_grad():
                 ref = self._logprobs(self.reference, ids, attn)
@@ -667,7 +669,7 @@ def _loop(job, run, topo, gate, guard, policy, controller) -> int:
         # KillWait left over the ranks (after a SIGTERM) decides whether the drain checkpoint still fits.
         left = gate.kill_wait_left_s() if gate.check() else None
         flags = torch.tensor([float(gate.requested), -(left if left is not None else math.inf),
-                              float(topo.is_main and interval.due(step))])
+                              float(topo.is_main and interval.due(step))], device=compute_device())
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         if flags[0] > 0:
             def do_save():
@@ -742,7 +744,7 @@ def _loop(job, run, topo, gate, guard, policy, controller) -> int:
             if first_step:  # requeue -> training again is measured up to here
                 since = time.time() - psutil.Process().create_time()
                 events.emit(run, "first_step", step=step, policy_version=version,
-                            since_process_start_s=round(since, 3))
+                            since_process_start_s=round(since, 3), device=str(policy.device))
             log.info("step %d v%d reward %.3f eff %d/%d rollout %.2fs train %.2fs sync %.2fs%s", step, version,
                      exp.stats["reward_mean"], exp.stats["effective_samples"], exp.stats["samples"],
                      exp.stats["rollout_s"], train_s, sync_s,

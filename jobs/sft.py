@@ -42,7 +42,7 @@ from rlslurm.checkpoint import Checkpoint, CheckpointWriter, IntervalPolicy, ste
 from rlslurm.config import JobConfig, load_config
 from rlslurm.diag.drain_gate import DrainGate, agreed_reason
 from rlslurm.diag.guard import PhaseGuard
-from rlslurm.dist import Topology, init_process_group
+from rlslurm.dist import Topology, compute_device, init_process_group
 from rlslurm.errors import CheckpointError, ConfigError, RlslurmError
 from rlslurm.evaluate import greedy_accuracy
 from rlslurm.events import emit
@@ -179,7 +179,7 @@ def build_state(job: JobConfig, topo: Topology) -> SFTState:
     else:
         model = build_model(job.model, seed=job.train.seed)
     # DDP broadcasts rank 0's weights at construction, so ranks start equal even if init differed.
-    ddp = DistributedDataParallel(model)
+    ddp = DistributedDataParallel(model.to(compute_device()))
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=job.train.lr, weight_decay=job.train.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(job.train, s))
     return SFTState(model=ddp, optimizer=optimizer, scheduler=scheduler)
@@ -189,7 +189,8 @@ def train_step(state: SFTState, batch: dict[str, torch.Tensor], grad_clip: float
                beat=lambda: None) -> tuple[float, float]:
     """One optimizer step; returns (loss averaged over ranks, gradient norm before clipping).
     `beat` is the phase guard's progress call, made from inside the step."""
-    loss = state.model(**batch).loss
+    device = compute_device()
+    loss = state.model(**{k: v.to(device) for k, v in batch.items()}).loss
     state.optimizer.zero_grad(set_to_none=True)
     loss.backward()
     beat()
@@ -253,7 +254,8 @@ def _train(job: JobConfig, run: RunDir, topo: Topology, gate: DrainGate, guard: 
     if path:
         state.load(Checkpoint.open(Path(path), verify=False), topo)  # rank 0 verified it in latest_complete
     emit(run, "sft_start", role="trainer", rank=topo.rank, world_size=topo.world_size, steps=train.steps,
-         start_step=state.step, params=sum(p.numel() for p in state.model.parameters()))
+         start_step=state.step, params=sum(p.numel() for p in state.model.parameters()),
+         device=str(next(state.model.parameters()).device))
     time_limit_s = job.cluster.time_limit_min * 60.0 if os.environ.get("SLURM_JOB_ID") else None
     policy = IntervalPolicy(job.checkpoint, time_limit_s=time_limit_s, start_step=state.step)
     last_saved = state.step if path else None
@@ -270,7 +272,7 @@ def _train(job: JobConfig, run: RunDir, topo: Topology, gate: DrainGate, guard: 
         # Step boundary: every rank must agree to drain or save, so that they stop at the same step.
         left = gate.kill_wait_left_s() if gate.check() else None
         flags = torch.tensor([float(gate.requested), -(left if left is not None else math.inf),
-                              float(topo.is_main and policy.due(state.step))])
+                              float(topo.is_main and policy.due(state.step))], device=compute_device())
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         if flags[0] > 0:
             reason, signal_name = agreed_reason(gate, topo.world_size)

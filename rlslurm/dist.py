@@ -100,8 +100,16 @@ def backend_for_device() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init_process_group(topo: Topology, timeout_s: float = 120.0) -> None:
-    """Join the default process group of this component; a peer that never comes raises at timeout_s."""
+def compute_device() -> torch.device:
+    """Where this rank's tensors live: the GPU init_process_group made current where CUDA is available,
+    else the CPU. With backend_for_device, the one switch: NCCL reduces only GPU tensors, so every tensor a
+    collective of the default group sees must be made here (models, batches, the step-boundary flags)."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def init_process_group(topo: Topology, timeout_s: float = 120.0, backend: str | None = None) -> None:
+    """Join the default process group of this component; a peer that never comes raises at timeout_s.
+    `backend` (default backend_for_device()): "gloo" for a job that computes on the CPU even on a GPU node."""
     if dist.is_initialized():
         return
     if torch.cuda.is_available():
@@ -109,7 +117,7 @@ def init_process_group(topo: Topology, timeout_s: float = 120.0) -> None:
         # fail with "Duplicate GPU detected" (the object collectives use the current device too).
         torch.cuda.set_device(topo.local_rank % torch.cuda.device_count())
     dist.init_process_group(
-        backend=backend_for_device(),
+        backend=backend or backend_for_device(),
         init_method=f"tcp://{topo.master_addr}:{topo.master_port}",
         rank=topo.rank,
         world_size=topo.world_size,

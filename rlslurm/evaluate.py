@@ -47,7 +47,7 @@ def greedy_responses(model, tokenizer, prompts: list[str], max_new_tokens: int,
         for length, indices in sorted(by_length.items()):
             for start in range(0, len(indices), batch_size):
                 chunk = indices[start : start + batch_size]
-                input_ids = torch.tensor([encoded[i] for i in chunk], dtype=torch.long)
+                input_ids = torch.tensor([encoded[i] for i in chunk], dtype=torch.long, device=model.device)
                 generated = model.generate(
                     input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
                     do_sample=False, max_new_tokens=max_new_tokens,

@@ -204,6 +204,7 @@ class MegatronPolicy:
         for key, message in job_rules(job):  # JobConfig refused these at load; a hand-built job may not have
             raise ConfigError(f"{key} = {_value(job, key)!r} {message}")
         torch.cuda.set_device(topo.local_rank % torch.cuda.device_count())
+        self.device = torch.device("cuda", torch.cuda.current_device())
         self.job, self.topo, self.model_dir = job, topo, Path(model_dir)
         self.spec, norm_eps = hf_model_spec(model_dir)
         self.layout = Layout(tp=job.parallel.tp)

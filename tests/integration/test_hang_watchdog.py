@@ -41,7 +41,7 @@ def rank_main(run_dir: str, stall_step: int) -> None:
     from rlslurm.dist import Topology, init_process_group
 
     topo = Topology.detect()
-    init_process_group(topo, timeout_s=120)
+    init_process_group(topo, timeout_s=120, backend="gloo")
     run = RunDir(Path(run_dir))
     guard = PhaseGuard(run, "train", topo.rank, CONFIG, job_id="4242")
     with guard:
