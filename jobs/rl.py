@@ -230,7 +230,7 @@ class Engines:
             node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
             for i in range(job.rollout.engines):
                 proc = spawn_engine(model_dir, port=free_port(), log_path=run.logs / f"engine-{i}.log",
-                                    extra_args=["--threads", "1"],
+                                    extra_args=engine_args(job),
                                     env={"RLSLURM_RUN_DIR": str(run.path), "RLSLURM_ROLE": "rollout",
                                          "RLSLURM_RANK": str(i),
                                          # the vLLM engine's share of a GPU (rollout/vllm_engine.py)
@@ -269,6 +269,13 @@ class Engines:
             proc.stop()
         for client in self.clients:
             client.close()
+
+
+def engine_args(job: JobConfig) -> list[str]:
+    """Server flags of every engine of the job: one torch CPU thread, and the hf engine on the node's GPU
+    where it has one (vLLM places itself)."""
+    gpu = job.rollout.engine == "hf" and torch.cuda.is_available()
+    return ["--threads", "1", *(["--device", "cuda"] if gpu else [])]
 
 
 def wait_for_endpoints(run: RunDir, count: int, timeout_s: float, *, job_id: str | None, restart_count: int,
@@ -804,7 +811,7 @@ def run_engine(job: JobConfig, run_dir: str | Path) -> int:
                                "job_id": lifecycle.leader_job_id(), "restart_count": lifecycle.restart_count()}))
     os.replace(tmp, folder / f"engine-{rank}.json")
     bind = "127.0.0.1" if host.startswith("127.") else "0.0.0.0"
-    argv = ["--model", str(model_dir), "--host", bind, "--port", str(port), "--threads", "1",
+    argv = ["--model", str(model_dir), "--host", bind, "--port", str(port), *engine_args(job),
             "--engine", job.rollout.engine]
     if job.rollout.engine != "hf" or job.rollout.python:
         # Another engine lives in its own venv (vLLM: .venv-vllm): become its server process, so this

@@ -9,12 +9,15 @@ degraded because SLURM stops the job (its SIGTERM reached the reward service) is
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
+import torch
 
+from rlslurm.config import JobConfig
 from rlslurm.errors import RewardServiceError, RlslurmError
-from rlslurm.jobs.rl import _degraded_by_slurm_stop, sync_host, wait_for_endpoints
+from rlslurm.jobs.rl import _degraded_by_slurm_stop, engine_args, sync_host, wait_for_endpoints
 from rlslurm.reward.session import announce, wait_for_url
 from rlslurm.rl.experience import Experience
 from rlslurm.rundir import RunDir
@@ -75,3 +78,13 @@ def test_a_step_degraded_by_slurm_stopping_the_job_is_given_up(degraded, signal_
     exp = Experience([], {"reward_degraded": degraded}, {})
     assert _degraded_by_slurm_stop(exp, _Gate(signal_name), grace_s=0.01) == abandoned
     assert _degraded_by_slurm_stop(None, _Gate("SIGTERM"), grace_s=0.01) == 0
+
+
+def test_engine_args_put_the_hf_engine_on_the_gpu_where_there_is_one(monkeypatch):
+    job = JobConfig()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert engine_args(job) == ["--threads", "1"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert engine_args(job) == ["--threads", "1", "--device", "cuda"]
+    vllm = dataclasses.replace(job, rollout=dataclasses.replace(job.rollout, engine="vllm"))
+    assert engine_args(vllm) == ["--threads", "1"]  # vLLM places itself
