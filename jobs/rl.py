@@ -401,7 +401,7 @@ class Controller:
         asked = [i for i in range(n_eng) if shares[i]]
         # One thread per engine: each waits on its HTTP answer; a failed request raises here after the
         # others answered (or hit rollout.request_timeout_s).
-        with ThreadPoolExecutor(max_workers=len(asked), thread_name_prefix="rollout") as pool:
+        with ThreadPoolExecutor(max_workers=max(1, len(asked)), thread_name_prefix="rollout") as pool:
             for done in as_completed([pool.submit(ask, i) for i in asked]):
                 i, out, engine_s[i] = done.result()
                 guard.beat()
