@@ -244,7 +244,10 @@ def test_drain_mid_rl_requeues_and_resumes_same_step_version_and_trajectory(slur
     requested = [e for e in su.events(run, "drain_requested") if e.get("role") == "train"]
     (engines,) = su.events(run, "engines_drained")
     if trigger == "scontrol-requeue":
-        assert sorted(e["rank"] for e in requested) == [0, 1] and {e["signal"] for e in requested} == {"SIGTERM"}
+        # slurmstepd delivers SIGTERM task by task, as it does USR1: a rank whose SIGTERM lands after the ranks
+        # agreed on the drain step drains by its peer's flag and records no request (seen once in CI).
+        assert requested and {e["signal"] for e in requested} == {"SIGTERM"}
+        assert {e["rank"] for e in requested} <= {0, 1}
         assert drained["requeued"] == "by SLURM (SIGTERM)" and not su.events(run, "requeue")
         # SLURM stops the engines itself; a step that lost its engine is given up or keeps its training.
         assert engines["engines"] == {} and "SIGTERM" in engines["reason"]
