@@ -15,14 +15,9 @@ import statistics
 import pytest
 import torch
 
-from rlslurm.config import JobConfig
-from rlslurm.diag.guard import PhaseGuard
-from rlslurm.dist import Topology
 from rlslurm.errors import RlslurmError
 from rlslurm.jobs.rl import Policy, Sample, build_samples, group_advantages
-from rlslurm.rundir import RunDir
 from rlslurm.tasks.arithmetic import Problem
-from rlslurm.tinymodel import build_model, save_hf
 from rlslurm.tokenizer import EOS_ID, VOCAB, build_tokenizer
 
 
@@ -109,19 +104,6 @@ def _mean_logprobs(policy: Policy, samples: list[Sample]) -> torch.Tensor:
             lp = Policy._logprobs(policy.model, ids, torch.ones_like(ids))[0, len(s.prompt_ids) - 1:]
             out.append(lp.mean())
     return torch.stack(out)
-
-
-@pytest.fixture
-def policy_and_guard(tmp_path):
-    job = JobConfig()
-    job = dataclasses.replace(job, train=dataclasses.replace(job.train, lr=1e-3, seed=0))
-    save_hf(build_model(job.model, seed=0), tmp_path / "init")
-    topo = Topology(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=0)
-    run = RunDir(tmp_path / "run").create()
-    guard = PhaseGuard(run, "train", 0, job.diag, faulthandler_fallback=False, background=False)
-    torch.manual_seed(0)
-    yield Policy(job, topo, tmp_path / "init"), guard
-    guard.close()
 
 
 def test_one_update_raises_the_right_answers_and_lowers_the_wrong_ones(policy_and_guard):

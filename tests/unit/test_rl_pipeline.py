@@ -10,7 +10,6 @@ sleeps on both sides so the threads interleave differently from run to run.
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import threading
 import time
@@ -18,16 +17,11 @@ import time
 import pytest
 import torch
 
-from rlslurm.config import JobConfig
-from rlslurm.diag.guard import PhaseGuard
-from rlslurm.dist import Topology
 from rlslurm.errors import RlslurmError, StalenessError
 from rlslurm.jobs.rl import Policy
 from rlslurm.rl.experience import Experience, GroupAssembler, Sample, build_samples, group_advantages
 from rlslurm.rl.pipeline import ExperiencePipeline, ProducerGuard, stamp_staleness
-from rlslurm.rundir import RunDir
 from rlslurm.tasks.arithmetic import Problem
-from rlslurm.tinymodel import build_model, save_hf
 from rlslurm.tokenizer import build_tokenizer
 
 
@@ -263,19 +257,6 @@ def test_a_group_gets_its_advantages_as_soon_as_its_last_reward_lands():
 
 
 # -- the loss's guard for stale samples -------------------------------------------------------------------
-
-@pytest.fixture
-def policy_and_guard(tmp_path):
-    job = JobConfig()
-    job = dataclasses.replace(job, train=dataclasses.replace(job.train, lr=1e-3, seed=0))
-    save_hf(build_model(job.model, seed=0), tmp_path / "init")
-    topo = Topology(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=0)
-    run = RunDir(tmp_path / "run").create()
-    guard = PhaseGuard(run, "train", 0, job.diag, faulthandler_fallback=False, background=False)
-    torch.manual_seed(0)
-    yield Policy(job, topo, tmp_path / "init"), guard
-    guard.close()
-
 
 def _samples(policy: Policy, shift: float, staleness: int) -> list[Sample]:
     """Two samples whose behaviour logprobs are the policy's own, shifted by `shift` (log-space)."""
