@@ -36,6 +36,7 @@ steps (tests/integration/test_rl_learns.py).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -533,27 +534,53 @@ class Controller:
 # -- checkpoints -------------------------------------------------------------------------------------
 
 def save(run: RunDir, job: JobConfig, topo: Topology, policy: Policy, step: int, version: int, rl_state: dict) -> float:
-    """Collective: every rank's RNG is gathered; rank 0 writes model, optimizer, RNG and RL state."""
+    """Collective: every rank's RNG is gathered; rank 0 writes model, optimizer, RNG and RL state. An
+    optimizer sharded over ranks (Megatron's) has its owners write their shards into rank 0's temp dir
+    first, so the checkpoint is complete only with every shard in its manifest."""
     rngs = [None] * topo.world_size
     dist.all_gather_object(rngs, {"torch": torch.get_rng_state(), "python": random.getstate()})
     seconds = [0.0]
-    if topo.is_main:
-        with CheckpointWriter(run, step, policy_version=version, keep=job.checkpoint.keep,
-                              metadata={"job": "rl", "world_size": topo.world_size}) as ckpt:
+    with contextlib.ExitStack() as stack:
+        ckpt = None
+        if topo.is_main:
+            ckpt = stack.enter_context(CheckpointWriter(run, step, policy_version=version, keep=job.checkpoint.keep,
+                                                        metadata={"job": "rl", "world_size": topo.world_size}))
+        for filename in _save_shards(policy, ckpt, topo):
+            ckpt.add_written(filename)
+        if ckpt is not None:
             ckpt.save_tensors("model", {k: v.contiguous() for k, v in policy.weights().items()})
             ckpt.save_state("optimizer", policy.optimizer.state_dict())
             ckpt.save_state("rng", rngs)
             ckpt.save_json("rl_state", {**rl_state, "step": step, "policy_version": version,
                                         "data_position": step})
+    if ckpt is not None:
         seconds = [ckpt.saved.seconds]
     dist.broadcast_object_list(seconds, src=0)
     return seconds[0]
 
 
+def _save_shards(policy, ckpt: CheckpointWriter | None, topo: Topology) -> list[str]:
+    """Collective where the optimizer is sharded (it has `save_shards`): rank 0 names its temp dir, each
+    rank writes its shard there; rank 0 gets every file name, the others []. The torch Policy's optimizer is whole on
+    rank 0: nothing to do."""
+    save_shards = getattr(policy.optimizer, "save_shards", None)
+    if save_shards is None:
+        return []
+    where = [str(ckpt.tmp) if ckpt is not None else None]
+    dist.broadcast_object_list(where, src=0)
+    written = [None] * topo.world_size
+    dist.all_gather_object(written, save_shards(Path(where[0])))
+    return sorted(name for names in written for name in names) if ckpt is not None else []
+
+
 def load(ckpt: Checkpoint, policy: Policy, topo: Topology) -> dict:
+    """Collective for a sharded optimizer (`load_shards`), after the weights it refines."""
     state = ckpt.load_tensors("model")
     policy.model.load_state_dict(state, strict=False)
     policy.optimizer.load_state_dict(ckpt.load_state("optimizer"))
+    load_shards = getattr(policy.optimizer, "load_shards", None)
+    if load_shards is not None:
+        load_shards(ckpt)
     rng = ckpt.load_state("rng")[topo.rank]
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])

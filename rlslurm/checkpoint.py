@@ -14,6 +14,10 @@ Writing (one writer per run directory at a time: rank 0 of the running job):
         ckpt.save_json("trainer", {"data_position": 96})     # trainer.json
     ckpt.saved.seconds, ckpt.saved.bytes                      # C, measured; also a checkpoint_saved event
 
+State sharded over ranks (Megatron's distributed optimizer) is written by its owners straight into the
+writer's temp dir, `write_rank_state(ckpt.tmp, "optimizer-tp001", shard)` on each owning rank; rank 0
+then lists each file with `ckpt.add_written(filename)` before the commit, so the manifest covers it.
+
 Reading: `latest_complete(run)` returns the newest checkpoint whose manifest sizes and sha256 match the
 files; newer incomplete (`.tmp-*`, no manifest) or corrupt ones are skipped with a `checkpoint_skipped`
 event naming the reason. Corrupt ones are renamed `step-XXXXXXXX.corrupt-<time>` (kept for diag, never
@@ -148,6 +152,15 @@ class CheckpointWriter:
             raise CheckpointError(f"checkpoint {self.tmp.name}: {filename} written twice")
         return filename, self.tmp / filename
 
+    def add_written(self, filename: str) -> None:
+        """A file another rank wrote into `self.tmp` (`write_rank_state`): fsynced, sized and hashed here."""
+        path = self.tmp / filename
+        if filename in self._files:
+            raise CheckpointError(f"checkpoint {self.tmp.name}: {filename} written twice")
+        if Path(filename).name != filename or not path.is_file():
+            raise CheckpointError(f"checkpoint {self.tmp.name}: {filename!r} was not written into {self.tmp}")
+        self._add(filename, path)
+
     def save_tensors(self, name: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
         """Tensors (model weights under their Hugging Face names) as `<name>.safetensors`."""
         filename, path = self._path(name, ".safetensors")
@@ -209,6 +222,18 @@ class CheckpointWriter:
             self.abort()
 
 
+def write_rank_state(directory: Path, name: str, obj: Any) -> str:
+    """This rank's share of a sharded state as `<name>.pt` in a writer's temp dir (fsynced); returns the
+    file name for rank 0's `CheckpointWriter.add_written`."""
+    if not _NAME.match(name) or name == "manifest":
+        raise CheckpointError(f"checkpoint file name {name!r} must match {_NAME.pattern} and not be 'manifest'")
+    path = Path(directory) / f"{name}.pt"
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+    _fsync_path(path)
+    return path.name
+
+
 def _write_latest(run: RunDir, name: str) -> None:
     tmp = run.checkpoints / f".{LATEST}.tmp-{os.getpid()}"
     tmp.write_text(name + "\n")
@@ -243,6 +268,9 @@ class Checkpoint:
 
     def load_tensors(self, name: str) -> dict[str, torch.Tensor]:
         return safetensors.torch.load_file(str(self._file(name + ".safetensors")))
+
+    def has_state(self, name: str) -> bool:
+        return f"{name}.pt" in self.manifest["files"]
 
     def load_state(self, name: str) -> Any:
         # Our own file, checked against the manifest's sha256: full unpickling (numpy RNG state) is safe here.

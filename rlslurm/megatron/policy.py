@@ -13,8 +13,8 @@ The same interface as the torch Policy, so the RL loop does not know which one t
     of `update` (jobs/rl.py asks rank 0 alone, and export_hf is collective) and kept on rank 0's GPU as
     fp32, the dtype the engines serve (rollout server's --dtype float32) and VERIFY compares.
   - `model` is an HF view (`HFView`): jobs/rl.py loads a checkpoint's HF tensors into it (every rank)
-    and exports it with `save_hf` (rank 0). `optimizer` checkpoints the step count only: Adam's moments
-    are not saved yet, and a resumed run restarts them (logged).
+    and exports it with `save_hf` (rank 0). `optimizer` checkpoints the step count (rank 0) and, through
+    `save_shards` on every rank, its share of Adam's moments and of the fp32 master weights.
 
 The model's shape is read from the checkpoint's config.json (what train.init_from or the random init
 wrote), with its RMSNorm epsilon; precision, recompute and the distributed optimizer follow `memory:`,
@@ -381,16 +381,79 @@ class HFView:
 
 
 class OptimizerState:
-    """What jobs/rl.py checkpoints as the optimizer. Only the step count so far: Adam's moments live in
-    Megatron's distributed optimizer sharded over DP, and jobs/rl.py's rank-0 `save` cannot gather them."""
+    """What jobs/rl.py checkpoints as the optimizer: the step count in `optimizer.pt` (rank 0), and each
+    rank's share of Adam in its own `optimizer-rank<NNNNN>.pt` (`save_shards`, `load_shards`).
 
-    def __init__(self, policy: MegatronPolicy):
+    Each of Megatron's optimizers wraps a torch optimizer (`.optimizer`) whose parameters are the fp32
+    master weights this rank updates (with the distributed optimizer, its DP slice of them) and whose
+    state holds Adam's moments of exactly those. A rank saves that torch optimizer's state dict and the
+    master weights, untouched and without any gather, and loads them back into the same places. Without
+    them a resumed run would restart Adam at zero moments and, with bf16 weights, lose the master
+    weights' low bits. The shards are cut by the layout: a resume must keep world size and parallel.tp."""
+
+    def __init__(self, policy):
         self.policy = policy
+        self._saved: dict = {}
+
+    def _layout(self) -> dict:
+        return {"world_size": self.policy.topo.world_size, "tp": self.policy.layout.tp,
+                "distributed_optimizer": self.policy.job.memory.distributed_optimizer}
+
+    def _inner(self) -> list:
+        """The torch optimizers inside Megatron's (one per chained part)."""
+        opt = self.policy.megatron_optimizer
+        return [part.optimizer for part in getattr(opt, "chained_optimizers", [opt])]
+
+    def _shard_name(self, rank: int) -> str:
+        return f"optimizer-rank{rank:05d}"
 
     def state_dict(self) -> dict:
-        return {"backend": "megatron", "steps": self.policy.steps, "adam_moments": None}
+        return {"backend": "megatron", "steps": self.policy.steps, "layout": self._layout(),
+                "shards": self.policy.topo.world_size if self.policy.steps else 0}
 
     def load_state_dict(self, state: dict) -> None:
         self.policy.steps = int(state.get("steps", 0))
-        log.warning("train.backend = megatron: the checkpoint holds no Adam moments; they restart at step %d",
-                    self.policy.steps)
+        self._saved = state
+
+    def save_shards(self, directory: Path) -> list[str]:
+        """This rank's Adam state and master weights into `directory` (every rank; nothing collective)."""
+        from rlslurm.checkpoint import write_rank_state
+
+        if self.policy.steps == 0:  # no step taken: nothing but zeros to save
+            return []
+        parts = [{"state_dict": inner.state_dict(),
+                  "master": [p.detach().cpu().clone() for group in inner.param_groups for p in group["params"]]}
+                 for inner in self._inner()]
+        shard = {"layout": self._layout(), "steps": self.policy.steps, "parts": parts}
+        return [write_rank_state(directory, self._shard_name(self.policy.topo.rank), shard)]
+
+    def load_shards(self, ckpt) -> None:
+        """After `load_state_dict` and the model's weights: this rank's Adam state and master weights back."""
+        if not self._saved.get("shards"):
+            if self.policy.steps:
+                log.warning("train.backend = megatron: checkpoint %s holds no optimizer shards; Adam's moments "
+                            "restart at step %d", ckpt.name, self.policy.steps)
+            return
+        if self._saved.get("layout") != self._layout():
+            raise RlslurmError(
+                f"checkpoint {ckpt.path} was written with {self._saved.get('layout')}, this run is "
+                f"{self._layout()}: Megatron's optimizer shards are cut by that layout. Resume with the same "
+                "world size and parallel.tp, or start a new run from its weights (train.init_from = its export)")
+        shard = ckpt.load_state(self._shard_name(self.policy.topo.rank))
+        inners = self._inner()
+        if len(shard["parts"]) != len(inners):
+            raise RlslurmError(f"checkpoint {ckpt.path}: {len(shard['parts'])} optimizer parts saved, this run "
+                               f"builds {len(inners)}: the model or its parallel layout changed")
+        for inner, part in zip(inners, shard["parts"]):
+            inner.load_state_dict(part["state_dict"])
+            params = [p for group in inner.param_groups for p in group["params"]]
+            if [p.shape for p in params] != [m.shape for m in part["master"]]:
+                raise RlslurmError(f"checkpoint {ckpt.path}: the saved master weights' shapes differ from this "
+                                   "run's: the model or its parallel layout changed")
+            with torch.no_grad():
+                for p, master in zip(params, part["master"]):
+                    p.copy_(master)
+        # The model's own weights came from the checkpoint's HF tensors (HFView.load_state_dict): the cast
+        # of these master weights taken after the last step, so the two agree without a copy.
+        log.info("megatron policy: Adam's moments and master weights restored from %s (step %d)",
+                 ckpt.name, self.policy.steps)

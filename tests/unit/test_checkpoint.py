@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlslurm.checkpoint import Checkpoint, CheckpointWriter, latest_complete, prune
+from rlslurm.checkpoint import Checkpoint, CheckpointWriter, latest_complete, prune, write_rank_state
 from rlslurm.errors import CheckpointError
 from rlslurm.events import read_events
 from rlslurm.rundir import RunDir
@@ -95,6 +95,43 @@ def test_bad_or_repeated_file_names_are_refused(run):
     with pytest.raises(CheckpointError, match="written twice"):
         ckpt.save_json("trainer", {})
     ckpt.abort()
+
+
+def test_shards_written_by_other_ranks_are_in_the_manifest_and_checked(run):
+    with CheckpointWriter(run, 4) as ckpt:
+        # What ranks 1 and 2 do in jobs/rl.py's save: their shard straight into rank 0's temp dir.
+        names = [write_rank_state(ckpt.tmp, f"optimizer-tp{r:03d}", {"rank": r, "m": torch.full((3,), float(r))})
+                 for r in (1, 2)]
+        for name in names:
+            ckpt.add_written(name)
+        ckpt.save_json("trainer", {})
+    loaded = latest_complete(run)
+    assert sorted(loaded.manifest["files"]) == ["optimizer-tp001.pt", "optimizer-tp002.pt", "trainer.json"]
+    assert loaded.has_state("optimizer-tp002") and not loaded.has_state("optimizer-tp003")
+    assert torch.equal(loaded.load_state("optimizer-tp002")["m"], torch.full((3,), 2.0))
+    # A shard changed after the commit makes the whole checkpoint unusable, as any other file would.
+    with open(loaded.path / "optimizer-tp001.pt", "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
+    with pytest.raises(CheckpointError, match="optimizer-tp001.pt"):
+        Checkpoint.open(loaded.path)
+
+
+def test_a_shard_that_was_not_written_or_is_listed_twice_is_refused(run):
+    ckpt = CheckpointWriter(run, 2)
+    with pytest.raises(CheckpointError, match="was not written"):
+        ckpt.add_written("optimizer-tp000.pt")
+    with pytest.raises(CheckpointError, match="was not written"):
+        ckpt.add_written("../step-00000001/model.safetensors")
+    with pytest.raises(CheckpointError, match="must match"):
+        write_rank_state(ckpt.tmp, "../escape", {})
+    ckpt.add_written(write_rank_state(ckpt.tmp, "optimizer-tp000", {}))
+    with pytest.raises(CheckpointError, match="written twice"):
+        ckpt.add_written("optimizer-tp000.pt")
+    ckpt.abort()
+    assert latest_complete(run) is None
 
 
 def test_incomplete_newer_dir_of_a_dead_writer_is_skipped_and_removed(run):

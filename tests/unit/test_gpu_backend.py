@@ -1,6 +1,7 @@
 """What of the GPU path (issue 7) can be checked without a GPU: train.backend = megatron's config rules and
-its run-time CUDA error, the checkpoint-to-Megatron shape reading, the smoke job's config and plan, the
-smoke script's syntax, and bench/gpu_smoke.py's report on a hand-made run directory (tests/data/gpu_smoke).
+its run-time CUDA error, the checkpoint-to-Megatron shape reading, the policy's optimizer shards around
+real torch optimizers, the smoke job's config and plan, the smoke script's syntax, and bench/gpu_smoke.py's
+report on a hand-made run directory (tests/data/gpu_smoke).
 
     python -m pytest -q tests/unit/test_gpu_backend.py      # ~5 s
 """
@@ -163,3 +164,85 @@ def test_report_fails_on_a_failed_sync_a_missing_step_or_no_memory_figure(tmp_pa
     # broadcast on a CUDA trainer counts as NCCL
     (run / "events.jsonl").write_text((FIXTURE / "events.jsonl").read_text().replace('"ipc"', '"broadcast"'))
     assert smoke.summarize(run).nccl
+
+
+# -- the Megatron policy's optimizer checkpoint, around real torch optimizers ----------------------------
+
+def _policy_with_adam(rank: int, world: int, tp: int = 1, seed: int = 0):
+    """What OptimizerState reads of a MegatronPolicy, around the torch Adams that Megatron's optimizers
+    wrap (`.optimizer`; two chained parts, as with dense and expert parameters): their parameters stand
+    for this rank's fp32 master weights."""
+    from types import SimpleNamespace
+
+    from rlslurm.dist import Topology
+
+    torch.manual_seed(seed)
+    parts = [torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)]
+    adams = [torch.optim.Adam(m.parameters(), lr=0.1) for m in parts]
+    policy = SimpleNamespace(topo=Topology(rank, world, rank, "127.0.0.1", 0), layout=SimpleNamespace(tp=tp),
+                             job=JobConfig(), steps=0,
+                             megatron_optimizer=SimpleNamespace(
+                                 chained_optimizers=[SimpleNamespace(optimizer=a) for a in adams]))
+    return policy, parts, adams
+
+
+def _adam_step(parts, adams, x):
+    for adam in adams:
+        adam.zero_grad()
+    parts[1](parts[0](x)).square().sum().backward()
+    for adam in adams:
+        adam.step()
+
+
+def test_megatron_optimizer_shards_restore_moments_and_master_weights(tmp_path):
+    from rlslurm.checkpoint import CheckpointWriter, latest_complete
+    from rlslurm.megatron.policy import OptimizerState
+    from rlslurm.rundir import RunDir
+
+    run = RunDir(tmp_path / "run").create()
+    x = torch.randn(5, 4)
+    kept, kept_parts, kept_adams = _policy_with_adam(rank=1, world=2)
+    for _ in range(2):
+        _adam_step(kept_parts, kept_adams, x)
+    kept.steps = 2
+    state = OptimizerState(kept)
+    assert OptimizerState(_policy_with_adam(1, 2)[0]).save_shards(tmp_path) == []  # before a step: nothing
+    with CheckpointWriter(run, 2) as ckpt:
+        ckpt.add_written(*state.save_shards(ckpt.tmp))
+        ckpt.save_state("optimizer", state.state_dict())
+    ckpt = latest_complete(run)
+    assert sorted(ckpt.manifest["files"]) == ["optimizer-rank00001.pt", "optimizer.pt"]
+
+    fresh, fresh_parts, fresh_adams = _policy_with_adam(rank=1, world=2, seed=1)  # other weights, no moments
+    restored = OptimizerState(fresh)
+    restored.load_state_dict(ckpt.load_state("optimizer"))
+    restored.load_shards(ckpt)
+    assert fresh.steps == 2
+    for a, b in zip(kept_parts, fresh_parts):
+        assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    _adam_step(kept_parts, kept_adams, x)
+    _adam_step(fresh_parts, fresh_adams, x)
+    for a, b in zip(kept_parts, fresh_parts):
+        assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+    # Another layout (world size or TP) cannot take these shards: a clear error, not a wrong resume.
+    other = OptimizerState(_policy_with_adam(rank=1, world=4)[0])
+    other.load_state_dict(ckpt.load_state("optimizer"))
+    with pytest.raises(RlslurmError, match="world size and parallel.tp"):
+        other.load_shards(ckpt)
+
+
+def test_a_megatron_checkpoint_without_shards_restarts_adam_with_a_warning(tmp_path, caplog):
+    from rlslurm.checkpoint import CheckpointWriter, latest_complete
+    from rlslurm.megatron.policy import OptimizerState
+    from rlslurm.rundir import RunDir
+
+    run = RunDir(tmp_path / "run").create()
+    with CheckpointWriter(run, 3) as ckpt:  # what this project wrote before the shards
+        ckpt.save_state("optimizer", {"backend": "megatron", "steps": 3, "adam_moments": None})
+    policy, _, adams = _policy_with_adam(rank=0, world=1)
+    state = OptimizerState(policy)
+    state.load_state_dict(latest_complete(run).load_state("optimizer"))
+    state.load_shards(latest_complete(run))
+    assert policy.steps == 3 and not adams[0].state
+    assert "holds no optimizer shards" in caplog.text
