@@ -118,7 +118,7 @@ def _sections(plan: Plan, problems: list[str], explain: bool) -> list[Any]:
         if cap is not None:
             _explain(lines, [cap.weights_per_gpu, cap.kv_space_per_gpu, cap.tokens_per_engine, cap.seqs_per_engine])
     rw = plan.reward
-    lines += ["", f"weight sync per step: " + ", ".join(f"{m} {q.text()}" for m, q in plan.syncs.items())
+    lines += ["", "weight sync per step: " + ", ".join(f"{m} {q.text()}" for m, q in plan.syncs.items())
               + f" (chosen: {plan.sync_method})",
               f"reward: {rw.responses} responses: serial {rw.serial.text()}, concurrent {rw.concurrent.text()}; "
               f"the step uses {rw.used.text()} ({rw.used.how})"]

@@ -306,7 +306,7 @@ def launch_component(group: int, argv: tp.Sequence[str], *, env: tp.Mapping[str,
     `output` is srun's --output pattern (default: stdout/stderr of this process); `env` adds variables.
     """
     if group < 1:
-        raise RlslurmError(f"launch_component starts components >= 1; component 0 runs the submitted function")
+        raise RlslurmError("launch_component starts components >= 1; component 0 runs the submitted function")
     comps = components_from_env(os.environ)
     if group >= len(comps):
         raise RlslurmError(f"het job {comps[0].job_id} has {len(comps)} components; no component {group}")

@@ -138,7 +138,7 @@ def test_usr1_reaches_batch_shell_of_hand_template(slurm_cluster, tmp_path):
     (run / "logs").mkdir(parents=True)
     (run / "control").mkdir()
     drain = run / "control" / "drain"
-    waiter = f'for i in $(seq 600); do [ -e "$RLSLURM_RUN_DIR/control/drain" ] && exit 0; sleep 0.1; done; exit 3'
+    waiter = 'for i in $(seq 600); do [ -e "$RLSLURM_RUN_DIR/control/drain" ] && exit 0; sleep 0.1; done; exit 3'
     script = tmp_path / "job.sbatch"
     script.write_text(render_template(
         job_name="usr1", train_partition="train", train_nodes=1, train_tasks_per_node=1,

@@ -8,7 +8,17 @@ from __future__ import annotations
 import pytest
 
 from rl_runs import evals, steps, submit_example
-from rlslurm.rundir import read_jsonl
+from rlslurm.config import JobConfig
+from rlslurm.rundir import RunDir, read_jsonl
+from rlslurm.tinymodel import build_model, save_hf
+
+
+@pytest.fixture
+def init_and_run(tmp_path) -> tuple[str, str]:
+    """(HF dir of the embedded default at seed 0, an empty run dir): what spawned trainer ranks start from."""
+    save_hf(build_model(JobConfig().model, seed=0), tmp_path / "init")
+    RunDir(tmp_path / "run").create()
+    return str(tmp_path / "init"), str(tmp_path / "run")
 
 
 @pytest.fixture(scope="session")

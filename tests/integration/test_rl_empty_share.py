@@ -9,14 +9,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from procs import spawn_ranks
 from rlslurm.config import JobConfig
 from rlslurm.diag.guard import PhaseGuard
 from rlslurm.dist import Topology, free_port
 from rlslurm.jobs.rl import Policy, Sample
 from rlslurm.rundir import RunDir
-from rlslurm.tinymodel import build_model, save_hf
 from rlslurm.tokenizer import build_tokenizer
 
 
@@ -51,15 +50,8 @@ def _rank(rank: int, port: int, model_dir: str, run_dir: str, out: dict) -> None
     dist.destroy_process_group()
 
 
-def test_a_rank_without_samples_stays_in_step_with_its_peer(tmp_path):
-    job = JobConfig()
-    save_hf(build_model(job.model, seed=0), tmp_path / "init")
-    RunDir(tmp_path / "run").create()
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.start_processes(_rank, args=(free_port(), str(tmp_path / "init"), str(tmp_path / "run"), out),
-                           nprocs=2, join=True, start_method="spawn")
-        result = dict(out)
+def test_a_rank_without_samples_stays_in_step_with_its_peer(init_and_run):
+    result = spawn_ranks(_rank, (free_port(), *init_and_run))
     a, b = result[0], result[1]
     assert a["after"][0] == a["after"][1], "the ranks' weights drifted apart"
     assert a["after"][0] != a["before"], "the step did not change the weights"

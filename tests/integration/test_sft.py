@@ -6,7 +6,6 @@ One run of the example (~1 min on 2 cores) feeds every test of the module.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -15,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlslurm.config import load_config

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from procs import wait_for
 from rlslurm.checkpoint import latest_complete
 from rlslurm.events import read_events
 from rlslurm.lifecycle import ExitCode
@@ -48,16 +49,6 @@ def launch(run_dir: Path, *args: str, world: int = 2, restart: int = 0,
 
 def wait_all(procs: list[subprocess.Popen], timeout_s: float = 90) -> list[int]:
     return [p.wait(timeout=timeout_s) for p in procs]
-
-
-def wait_for(what: str, predicate, timeout_s: float = 60, poll_s: float = 0.02):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll_s)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def losses(run: RunDir) -> dict[int, float]:
