@@ -11,7 +11,7 @@
 #   GPU_SMOKE_VENV=.venv-gpu        the venv to make or reuse
 #   GPU_SMOKE_WHEELS=DIR            install offline from a wheelhouse (pip --no-index --find-links DIR)
 #   GPU_SMOKE_SYNC=auto|ipc|broadcast  auto = ipc: one GPU cannot hold the trainer's and the engine's NCCL
-#                                   ranks ("Duplicate GPU detected"); broadcast tries anyway (expected to fail)
+#                                   ranks ("Duplicate GPU detected"); broadcast is refused by the preflight
 #   GPU_SMOKE_BUDGET_S=480          the whole script's time budget in seconds
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)

@@ -138,7 +138,7 @@ def _warnings(plan: Plan) -> list[str]:
     if c.verdict in ("tight", "not advised") and c.memory is not None:
         out.append(f"{c.train_gpus} training GPUs leave {c.memory.headroom_pct.value:.1f} % headroom ({c.verdict}): "
                    "one long sample can OOM")
-    if plan.placement == "colocate" and plan.sync_method != "ipc":
+    if plan.placement == "colocate" and plan.sync_method != "ipc" and not _nccl_on_one_gpu(plan):
         out.append(f"sync.method = {plan.sync_method!r} while colocated: ipc would be "
                    f"{plan.syncs[plan.sync_method].value - plan.syncs['ipc'].value:.1f} s faster per step")
     if plan.placement == "separate" and plan.sync_method == "ipc":
@@ -147,6 +147,13 @@ def _warnings(plan: Plan) -> list[str]:
         out.append(f"the reward phase ({plan.reward.used.text()}) is longer than training "
                    f"({plan.chosen.train_step.text()}): raise reward.concurrency")
     return out
+
+
+def _nccl_on_one_gpu(plan: Plan) -> bool:
+    """Broadcast sync between trainer rank 0 and colocated engines on a GPU cluster: one NCCL group with two
+    ranks on one device (jobs/rl.py spawns colocated engines in rank 0's environment, on its GPU). On the
+    cpu profile the group is gloo, which has no such rule."""
+    return plan.placement == "colocate" and plan.sync_method == "broadcast" and plan.job.hardware.profile != "cpu"
 
 
 def preflight(plan: Plan) -> list[str]:
@@ -168,6 +175,11 @@ def preflight(plan: Plan) -> list[str]:
         elif not colo.host_ram_fits:
             problems.append(f"colocate with offload needs {colo.host_ram_per_node_gb.text()} host RAM per node "
                             f"> hardware.host_ram_gb = {plan.job.hardware.host_ram_gb:g}")
+    if _nccl_on_one_gpu(plan):
+        problems.append("sync.method = 'broadcast' with placement colocate on GPUs: the engines start beside trainer "
+                        "rank 0 and share its GPU, and NCCL refuses two ranks of one group on one GPU ('Duplicate "
+                        "GPU detected'); set sync.method: ipc (the same GPU's memory, no copy) or disk, or "
+                        "placement.mode: separate")
     if plan.rollout is not None and plan.rollout.seqs_per_engine.value < 1:
         problems.append(f"rollout: one engine's KV space {plan.rollout.kv_space_per_gpu.text()} per GPU holds no "
                         f"sequence of rollout.max_seq_len = {plan.job.rollout.max_seq_len}")

@@ -109,6 +109,19 @@ def test_the_smoke_job_loads_and_plans_one_colocated_gpu():
     assert json.loads((FIXTURE / "plan.json").read_text())["splits"] == data["splits"]
 
 
+def test_broadcast_beside_trainer_rank_0_on_a_gpu_is_refused_before_submission():
+    """Colocated engines share trainer rank 0's GPU, where NCCL refuses a second rank of the sync group: the
+    preflight says so and names the fixes; on the cpu profile (gloo) the same job goes."""
+    from rlslurm.plan.report import build_plan, preflight
+
+    job = load_config(ROOT / "examples" / "tiny-grpo-gpu.yaml")
+    broadcast = dataclasses.replace(job, sync=dataclasses.replace(job.sync, method="broadcast"))
+    (problem,) = [p for p in preflight(build_plan(broadcast)) if "broadcast" in p]
+    assert "Duplicate GPU detected" in problem and "sync.method: ipc" in problem and "separate" in problem
+    on_cpu = dataclasses.replace(broadcast, hardware=dataclasses.replace(job.hardware, profile="cpu"))
+    assert not [p for p in preflight(build_plan(on_cpu)) if "broadcast" in p]
+
+
 def test_smoke_script_is_valid_bash_and_strict():
     script = ROOT / "bench" / "gpu_smoke.sh"
     subprocess.run(["bash", "-n", str(script)], check=True)
