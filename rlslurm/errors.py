@@ -71,3 +71,9 @@ class RunDirError(RlslurmError):
     """A run directory or job id that cannot be found or read."""
 
     exit_code = 9
+
+
+class JobFailedError(RlslurmError):
+    """A job `rlslurm submit --wait` waited for ended in failure, or without finishing (drained, hung)."""
+
+    exit_code = 10

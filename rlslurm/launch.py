@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shlex
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +29,7 @@ import yaml
 from rlslurm import events
 from rlslurm.config import JobConfig
 from rlslurm.configfile import to_dict
-from rlslurm.errors import PreflightError, RlslurmError, SlurmCommandError
+from rlslurm.errors import JobFailedError, PreflightError, RlslurmError, SlurmCommandError
 from rlslurm.rundir import ENV_VAR, RunDir
 
 log = logging.getLogger("rlslurm.launch")
@@ -210,12 +212,66 @@ def describe(sub: Submission) -> str:
     ])
 
 
-def wait(sub: Submission, timeout_s: float | None = None, poll_s: float = 2.0) -> object:
-    """Block until the job's component 0 finished (bounded, logged); returns its result or raises."""
+def wait(sub: Submission, timeout_s: float | None = None, poll_s: float = 2.0,
+         on_poll: Callable[[], None] | None = None) -> object:
+    """Block until the job's component 0 finished (bounded, logged); returns its result or raises.
+    `on_poll` runs at every poll (`rlslurm submit --wait` prints the progress line there)."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while not sub.job.done():
         if deadline is not None and time.monotonic() > deadline:
             raise RlslurmError(f"job {sub.job_id} still running after {timeout_s:.0f} s; run dir {sub.run_dir}")
         log.info("waiting for job %s (%s)", sub.job_id, sub.run_dir)
+        if on_poll is not None:
+            on_poll()
         time.sleep(poll_s)
-    return sub.job.results()
+    from submitit.core.utils import FailedJobError, UncompletedJobError
+
+    try:
+        return sub.job.results()
+    except (FailedJobError, UncompletedJobError) as e:
+        raise JobFailedError(failure_message(sub.job_id, sub.run_dir, str(e))) from e
+
+
+def check_results(sub: Submission, results) -> None:
+    """Raise JobFailedError unless every task of the job exited 0 (DONE): a job that drained or hung
+    and was not requeued ended without finishing; its exit codes (lifecycle.ExitCode) say why."""
+    from rlslurm.lifecycle import ExitCode
+
+    codes = [int(r) for r in results] if isinstance(results, (list, tuple)) else [int(results or 0)]
+    if any(codes):
+        names = sorted({ExitCode(c).name if c in ExitCode._value2member_map_ else str(c) for c in codes if c})
+        raise JobFailedError(f"job {sub.job_id} ended without finishing: exit codes {codes} ({', '.join(names)}); "
+                             f"run directory {sub.run_dir} (its checkpoints are kept); "
+                             f"next: rlslurm diag {sub.job_id}")
+
+
+_ERROR_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?([A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit)): (.*)$")
+_LOG_PATH = re.compile(r"^\s*-\s*(\S+\.(?:err|out))\s*$")
+
+
+def root_cause(trace: str) -> str | None:
+    """The last `SomethingError: message` line of a traceback as submitit reports it (its own wrapper's
+    lines skipped), or None."""
+    found = None
+    for line in trace.splitlines():
+        m = _ERROR_LINE.match(line.strip())
+        if m and m.group(1) not in ("FailedJobError", "UncompletedJobError"):
+            found = f"{m.group(1)}: {m.group(2)}"
+    return found
+
+
+def failure_message(job_id: str, run_dir: Path, trace: str, tail_lines: int = 8) -> str:
+    """What `--wait` says of a failed job: the root cause, the logs it names with their last lines, and
+    where to look next."""
+    logs = [Path(m.group(1)) for m in map(_LOG_PATH.match, trace.splitlines()) if m]
+    lines = [f"job {job_id} failed: {root_cause(trace) or trace.strip().splitlines()[0]}",
+             f"  run directory: {run_dir}"]
+    for path in logs:
+        if path.suffix == ".err" and path.is_file():
+            tail = path.read_text(errors="replace").splitlines()[-tail_lines:]
+            lines.append(f"  last lines of {path}:")
+            lines += [f"    {t}" for t in tail]
+        else:
+            lines.append(f"  log: {path}")
+    lines.append(f"  next: rlslurm diag {job_id}   (the whole story: events, stacks, logs)")
+    return "\n".join(lines)

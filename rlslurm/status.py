@@ -2,8 +2,8 @@
 
 SLURM side: the state of each het component (squeue while the job is known to slurmctld, then
 scontrol / sacct, or `sacct -c` where there is no accounting database), nodes and restarts. Run side:
-the latest start, current step and phase per role from the heartbeats, the last complete checkpoint,
-and the last events.
+the latest start, current step and phase per role from the heartbeats, the progress line (rlslurm/
+progress.py), the last complete checkpoint, and the last events.
 """
 
 from __future__ import annotations
@@ -12,7 +12,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 from rlslurm.errors import RunDirError, SlurmCommandError, SlurmParseError
+from rlslurm.progress import Progress
 from rlslurm.rundir import RunDir, read_jsonl
 
 
@@ -29,6 +32,7 @@ class Status:
     checkpoint: str | None = None
     last_events: list[dict] = field(default_factory=list)
     slurm_error: str | None = None
+    progress: str | None = None
 
 
 def find_run(target: str, run_root: str | Path | None = None) -> tuple[RunDir, str | None]:
@@ -106,7 +110,16 @@ def collect(target: str, run_root: str | Path | None = None) -> Status:
     ckpt = latest_complete(run, tidy=False)
     status.checkpoint = ckpt.path.name if ckpt else None
     status.last_events = read_events(run)[-8:]
+    status.progress = Progress(run, total_steps=_total_steps(run)).poll()
     return status
+
+
+def _total_steps(run: RunDir) -> int | None:
+    try:
+        steps = (yaml.safe_load((run.path / "config.yaml").read_text()) or {}).get("train", {}).get("steps")
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
+    return steps if isinstance(steps, int) else None
 
 
 def render(status: Status) -> str:
@@ -123,6 +136,8 @@ def render(status: Status) -> str:
         for r in sorted(status.roles, key=lambda r: (str(r["role"]), r["rank"] or 0)):
             lines.append(f"  {r['role']}-{r['rank']} on {r['host']}: step {r['step']} phase {r['phase']} "
                          f"(last progress {r['progress_age_s']} s ago)")
+    if status.progress:
+        lines.append(f"progress: {status.progress}")
     lines.append(f"last complete checkpoint: {status.checkpoint or 'none'}")
     if status.last_events:
         lines.append("last events:")

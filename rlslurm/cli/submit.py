@@ -15,7 +15,7 @@ from rlslurm.config import load_config
 @click.option("--force", is_flag=True, help="Submit although the plan's pre-flight refuses (OOM, divisibility).")
 @click.option("--backend", type=click.Choice(["slurm", "local"]), help="Override cluster.backend.")
 @click.option("--run-root", type=click.Path(file_okay=False), help="Override cluster.run_root.")
-@click.option("--wait", is_flag=True, help="Block until the job ends; exit non-zero if it failed.")
+@click.option("--wait", is_flag=True, help="Block until the job ends, showing its progress line; exit non-zero if it failed.")
 def command(config: str, overrides: tuple[str, ...], force: bool, backend: str | None, run_root: str | None, wait: bool) -> None:
     """Submit the job described by CONFIG and print its id and run directory."""
     from rlslurm import launch
@@ -24,5 +24,15 @@ def command(config: str, overrides: tuple[str, ...], force: bool, backend: str |
     sub = launch.submit(job, config_text=Path(config).read_text(), force=force, backend=backend, run_root=run_root)
     click.echo(launch.describe(sub))
     if wait:
-        results = launch.wait(sub)
+        from rlslurm.progress import LinePrinter, Progress
+        from rlslurm.rundir import RunDir
+
+        progress = Progress(RunDir(sub.run_dir), total_steps=job.train.steps)
+        printer = LinePrinter(click.get_text_stream("stdout"))
+        try:
+            results = launch.wait(sub, on_poll=lambda: printer.show(progress.poll()))
+            printer.show(progress.poll(), final=True)
+        finally:
+            printer.close()
         click.echo(f"job {sub.job_id} ended: {results}")
+        launch.check_results(sub, results)

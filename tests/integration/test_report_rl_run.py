@@ -29,6 +29,9 @@ def test_report_of_a_real_rl_run(tmp_path):
          "--set", "rl.eval_every=2", "--wait"],
         capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert submit.returncode == 0, submit.stdout + submit.stderr
+    # --wait followed the run: its last progress line (not a terminal: whole lines) names the last step.
+    assert re.search(r"^step 3/3 100% \| [0-9.]+ s/step: rollout \d+% reward \d+% train \d+% sync \d+% \| reward ",
+                     submit.stdout, re.M), submit.stdout
     run_dir = Path(re.search(r"run directory: (\S+)", submit.stdout).group(1))
     job_id = str(read_jsonl(run_dir / "submissions.jsonl")[-1]["job_id"])
 

@@ -1,0 +1,215 @@
+"""The live progress line of a run, read from what its ranks append to the run directory.
+
+    progress = Progress(run, total_steps=job.train.steps)
+    line = progress.poll()   # None until the run recorded something new since the last poll, else e.g.
+    # step 12/60 20% | 1.93 s/step: rollout 36% reward 11% train 42% sync 7% | reward 0.410 | 28.3 eff. samples/s
+    #   | held-out 0.530 (step 10) | ETA 1m33s | restart 1 | resumed from step-00000010
+
+`rlslurm submit --wait` prints it through `LinePrinter` (rewritten in place on a terminal; elsewhere a
+new line when it changed, at most every `every_s`), and `rlslurm status` shows the latest. Both files are
+read incrementally (`JsonlTail`: only the bytes appended since the last poll; a half-written last line
+waits for the next), so following a long run costs a read of what it added. One line shape per kind of
+run: RL steps (`policy_version` in the record), SFT steps (`kind: sft_step`), the toy job (`loss`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict, deque
+from pathlib import Path
+from typing import TextIO
+
+from rlslurm.rundir import RunDir
+
+PHASES = ("rollout", "reward", "train", "sync")
+# Events that change what a reader should know about the run, as the line's last part says them.
+NOTABLE = {
+    "resume": "resumed from {checkpoint}",
+    "experience_restored": "experience of steps {steps} restored",
+    "drain_requested": "draining: {reason}",
+    "drained": "drained at step {step}: {reason}",
+    "hang_detected": "hang detected in {phase} (step {step})",
+    "hang_action": "hang: {action}",
+    "requeue": "requeued",
+    "requeue_failed": "requeue failed: {reason}",
+    "step_abandoned": "step {step} abandoned: {reason}",
+    "sync_failed": "weight sync failed at version {version}",
+    "sync_skipped": "weight sync skipped at step {step}",
+    "reward_degraded": "step {step}: {degraded}/{total} rewards degraded",
+    "reward_service_died": "reward service died",
+    "reward_service_restarted": "reward service restarted",
+    "checkpoint_skipped": "checkpoint {checkpoint} skipped: {reason}",
+    "phase_failed": "failed in {phase}: {error}",
+    "no_progress": "stopped: no progress over restarts",
+    "done": "done",
+    "sft_finished": "done",
+}
+
+
+class JsonlTail:
+    """The records appended to a JSON-lines file since the last `read()`."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.offset = 0
+        self.partial = b""
+
+    def read(self) -> list[dict]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self.offset += len(data)
+        *lines, self.partial = (self.partial + data).split(b"\n")
+        out = []
+        for line in lines:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # empty, or torn by a writer killed mid-line: the record is lost, not the run
+        return out
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def _event_note(event: dict) -> str:
+    fields = defaultdict(lambda: "?", {k: v for k, v in event.items() if v is not None})
+    return NOTABLE[event["kind"]].format_map(fields)
+
+
+class Progress:
+    """Follows one run directory; `poll()` returns the new progress line, or None if nothing changed."""
+
+    def __init__(self, run: RunDir, total_steps: int | None = None, window: int = 20):
+        self.run, self.total_steps = run, total_steps
+        self.metrics = JsonlTail(run.metrics)
+        self.events = JsonlTail(run.path / "events.jsonl")
+        self.step_s: deque[float] = deque(maxlen=window)
+        self.last: dict | None = None
+        self.evaluated: tuple[float, int, float] | None = None  # (time, step, held-out accuracy)
+        self.note: str | None = None
+        self.last_event: str | None = None
+        self._shown: str | None = None
+
+    def _take(self, record: dict) -> None:
+        if record.get("kind") == "sft_eval":
+            self._evaluated(record, record["heldout_accuracy"])
+            return
+        if "step" not in record or record.get("final") or not ("policy_version" in record or "loss" in record):
+            return
+        if self.last is not None and record["step"] <= self.last["step"]:
+            self.step_s.clear()  # a resume from an older checkpoint: the rate starts again
+        if "step_s" in record:
+            self.step_s.append(record["step_s"])
+        elif self.last is not None and "t" in record and "t" in self.last and record["step"] > self.last["step"]:
+            self.step_s.append((record["t"] - self.last["t"]) / (record["step"] - self.last["step"]))
+        if "held_out_accuracy" in record:
+            self._evaluated(record, record["held_out_accuracy"])
+        self.last = record
+
+    def _evaluated(self, record: dict, accuracy: float) -> None:
+        # metrics and events are read one after the other: the newest evaluation wins, whichever file said it
+        if self.evaluated is None or record.get("t", 0.0) >= self.evaluated[0]:
+            self.evaluated = (record.get("t", 0.0), record.get("step", 0), accuracy)
+
+    def poll(self) -> str | None:
+        for record in self.metrics.read():
+            self._take(record)
+        for event in self.events.read():
+            self.last_event = event.get("kind")
+            if event.get("kind") == "eval" and "held_out_accuracy" in event:
+                self._evaluated(event, event["held_out_accuracy"])
+            if event.get("kind") in NOTABLE:
+                self.note = _event_note(event)
+            elif event.get("kind") in ("first_step", "start") and self.note and self.note.startswith("draining"):
+                self.note = None
+        line = self.line()
+        if line == self._shown:
+            return None
+        self._shown = line
+        return line
+
+    def line(self) -> str:
+        """The line for what was read so far."""
+        if self.last is None:
+            parts = [f"no step yet (last event: {self.last_event or 'none'})"]
+        else:
+            parts = self._step_parts(self.last)
+        if self.note:
+            parts.append(self.note)
+        return " | ".join(parts)
+
+    def _step_parts(self, r: dict) -> list[str]:
+        step, total = r["step"], self.total_steps
+        head = f"step {step}/{total} {100 * step // total}%" if total else f"step {step}"
+        rate = sum(self.step_s) / len(self.step_s) if self.step_s else None
+        parts = [head]
+        if "policy_version" in r:  # RL
+            split = ""
+            if all(f"{p}_share" in r for p in PHASES):
+                split = ": " + " ".join(f"{p} {100 * r[f'{p}_share']:.0f}%" for p in PHASES)
+            parts.append(f"{rate:.2f} s/step{split}" if rate is not None else split.lstrip(": "))
+            parts.append(f"reward {r['reward_mean']:.3f}" if "reward_mean" in r else "")
+            parts.append(f"{r['effective_samples_per_s']:.1f} eff. samples/s" if "effective_samples_per_s" in r else "")
+            if r.get("staleness_max"):
+                parts.append(f"staleness <= {r['staleness_max']}")
+            if r.get("reward_degraded_ratio"):
+                parts.append(f"rewards degraded {100 * r['reward_degraded_ratio']:.1f}%")
+        else:  # SFT or the toy job
+            parts.append(f"loss {r['loss']:.4f}")
+            if "lr" in r:
+                parts.append(f"lr {r['lr']:.2e}")
+            if rate is not None:
+                parts.append(f"{rate:.3f} s/step")
+        if self.evaluated is not None:
+            parts.append(f"held-out {self.evaluated[2]:.3f} (step {self.evaluated[1]})")
+        if rate is not None and total and step < total:
+            parts.append(f"ETA {_duration(rate * (total - step))}")
+        if r.get("restart_count"):
+            parts.append(f"restart {r['restart_count']}")
+        return [p for p in parts if p]
+
+
+class LinePrinter:
+    """Shows successive progress lines: in place on a terminal; elsewhere (a log, CI) each as a new line,
+    at most one per `every_s` unless `final`."""
+
+    def __init__(self, stream: TextIO, every_s: float = 10.0, clock=time.monotonic):
+        self.stream, self.every_s, self.clock = stream, every_s, clock
+        self.tty = stream.isatty()
+        self._printed_at: float | None = None
+        self._pending: str | None = None
+        self._open = False
+
+    def show(self, line: str | None, *, final: bool = False) -> None:
+        if line is not None:
+            self._pending = line
+        if self._pending is None:
+            return
+        now = self.clock()
+        if self.tty:
+            self.stream.write("\r\033[K" + self._pending + ("\n" if final else ""))
+            self._open = not final
+        elif final or self._printed_at is None or now - self._printed_at >= self.every_s:
+            self.stream.write(self._pending + "\n")
+        else:
+            return
+        self.stream.flush()
+        self._printed_at, self._pending = now, None
+
+    def close(self) -> None:
+        """End an in-place line (a terminal), so what follows starts on its own line."""
+        if self._open:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._open = False

@@ -1,0 +1,26 @@
+"""`rlslurm submit --wait` of a job whose rank fails: one clear message with the root cause, the log's last
+lines and the next command, its own exit code, and no traceback of the CLI (the real local backend)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from rlslurm.errors import JobFailedError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_failed_job_under_wait_is_one_message_with_its_evidence(tmp_path):
+    submit = subprocess.run(
+        [sys.executable, "-m", "rlslurm.cli.main", "submit", str(ROOT / "examples" / "tiny-grpo.yaml"),
+         "--backend", "local", "--run-root", str(tmp_path), "--set", f"train.init_from={tmp_path / 'nothing'}",
+         "--wait"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert submit.returncode == JobFailedError.exit_code, submit.stdout + submit.stderr
+    first, *rest = submit.stderr.strip().splitlines()
+    assert first.startswith("rlslurm: error: job ") and " failed: RlslurmError: train.init_from = " in first
+    assert any(line.strip().startswith("last lines of ") and line.rstrip().endswith("_log.err:") for line in rest)
+    assert "rlslurm diag " in rest[-1]
+    assert "Traceback (most recent call last)" not in first and "click" not in submit.stderr  # not the CLI's stack
+    assert "no step yet (last event: " in submit.stdout  # the progress line while it waited
