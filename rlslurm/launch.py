@@ -30,7 +30,7 @@ from rlslurm import events
 from rlslurm.config import JobConfig
 from rlslurm.configfile import to_dict
 from rlslurm.errors import JobFailedError, PreflightError, RlslurmError, SlurmCommandError
-from rlslurm.rundir import ENV_VAR, RunDir
+from rlslurm.rundir import ENV_VAR, RunDir, read_jsonl
 
 log = logging.getLogger("rlslurm.launch")
 
@@ -134,6 +134,66 @@ def submit(job: JobConfig, *, config_text: str, force: bool = False, backend: st
                     {"t": time.time(), "job_id": sub.job_id, "backend": chosen, "layout": lay.__dict__})
     events.emit(run, "submitted", job_id=sub.job_id, backend=chosen, layout=lay.__dict__)
     return sub
+
+
+def resume(target: str, *, overrides: tuple[str, ...] = (), force: bool = False, backend: str | None = None,
+           run_root: str | Path | None = None, clock=time.time) -> Submission:
+    """Submit a run that stopped for good (finished, drained or failed off SLURM, cancelled, or stopped
+    for lack of progress) again, into its own run directory: it starts from the newest complete checkpoint
+    there, as a requeue would. `overrides` change its config (e.g. train.steps=120 trains on); validated
+    and pre-flighted like a new submission. Refused while a job of the run still shows signs of life."""
+    from rlslurm.config import load_config
+    from rlslurm.plan.report import build_plan, preflight, render_json
+    from rlslurm.status import find_run, slurm_components
+
+    run, previous = find_run(target, run_root)
+    job = load_config(run.config, overrides)
+    plan = build_plan(job)
+    problems = preflight(plan)
+    if problems and not force:
+        raise PreflightError("the plan says this job cannot run as configured:\n  - " + "\n  - ".join(problems)
+                             + "\n(rlslurm plan shows the numbers; --force submits anyway)")
+    last = (read_jsonl(run.path / "submissions.jsonl") or [{}])[-1]
+    alive = _alive(run, job, clock())
+    if not alive and last.get("backend") == "slurm" and previous:
+        try:
+            states = {c["state"] for c in slurm_components(previous)}
+        except RlslurmError:
+            states = set()
+        if states & _SLURM_LIVE:
+            alive = f"SLURM says job {previous} is {', '.join(sorted(states & _SLURM_LIVE))}"
+    if alive:
+        raise RlslurmError(f"run {run.path} is not stopped: {alive}. Two jobs must not write one run directory: "
+                           f"rlslurm drain {previous or run.path} (or scancel) first, then resume")
+    if overrides:
+        run.config.write_text(yaml.safe_dump(to_dict(job), sort_keys=False))
+        run.plan.write_text(render_json(plan))
+        events.emit(run, "config_changed", overrides=list(overrides))
+    chosen = resolve_backend(job, backend or last.get("backend"))
+    lay = layout(job, plan.chosen.rollout_nodes if plan.placement == "separate" else 0)
+    # A new series of starts: the no-progress count (lifecycle.on_start) does not reach back past it.
+    run.record_start(resubmitted=True, after_job_id=previous, step=None)
+    sub = _submit_slurm(job, run, lay) if chosen == "slurm" else _submit_local(job, run, lay)
+    run.append_json(run.path / "submissions.jsonl", {"t": time.time(), "job_id": sub.job_id, "backend": chosen,
+                                                     "layout": lay.__dict__, "resume_of": previous})
+    events.emit(run, "submitted", job_id=sub.job_id, backend=chosen, layout=lay.__dict__, resume_of=previous)
+    return sub
+
+
+_SLURM_LIVE = {"PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SUSPENDED",
+               "COMPLETING", "CONFIGURING", "STOPPED", "SIGNALING"}
+
+
+def _alive(run: RunDir, job: JobConfig, now: float) -> str | None:
+    """Why the run's processes look alive (a heartbeat, not marked exited, newer than a few beats), or None."""
+    from rlslurm.diag.heartbeat import read_heartbeats
+
+    fresh_s = max(10.0, 5 * job.diag.heartbeat_interval_s)
+    for hb in read_heartbeats(run):
+        age = now - hb.get("written", 0.0)
+        if hb.get("state") != "exited" and age < fresh_s:
+            return f"{hb.get('role')}-{hb.get('rank')} (pid {hb.get('pid')} on {hb.get('host')}) beat {age:.1f} s ago"
+    return None
 
 
 def _submit_slurm(job: JobConfig, run: RunDir, lay: Layout) -> Submission:
@@ -241,8 +301,8 @@ def check_results(sub: Submission, results) -> None:
     if any(codes):
         names = sorted({ExitCode(c).name if c in ExitCode._value2member_map_ else str(c) for c in codes if c})
         raise JobFailedError(f"job {sub.job_id} ended without finishing: exit codes {codes} ({', '.join(names)}); "
-                             f"run directory {sub.run_dir} (its checkpoints are kept); "
-                             f"next: rlslurm diag {sub.job_id}")
+                             f"run directory {sub.run_dir} (its checkpoints are kept); next: rlslurm diag "
+                             f"{sub.job_id}, and rlslurm resume {sub.run_dir} to go on from its last checkpoint")
 
 
 _ERROR_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?([A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit)): (.*)$")

@@ -52,6 +52,10 @@ def needs_requeue(code: int) -> bool:
     return code == ExitCode.HANG_DETECTED
 
 
+NOT_UNDER_SLURM = "not under SLURM: not requeued; `rlslurm resume <run dir>` (or its launcher) starts it again"
+"""What a drained event says off SLURM, where nothing requeues the job."""
+
+
 def restart_count(env: Mapping[str, str] | None = None) -> int:
     """How many times this job was restarted: RLSLURM_RESTART_COUNT (local launcher) or SLURM_RESTART_COUNT."""
     e = os.environ if env is None else env
@@ -158,7 +162,7 @@ def finish_drain(run: RunDir, *, step: int, reason: str | None, signal_name: str
     if on_sigterm:
         requeued = "by SLURM (SIGTERM)"
     elif job_id is None:
-        requeued = "not under SLURM: the launcher restarts the job"
+        requeued = NOT_UNDER_SLURM
     else:
         try:
             requeue(job_id)

@@ -4,6 +4,7 @@
     rlslurm validate examples/lecture-h20.yaml
     rlslurm plan examples/lecture-h20.yaml [--json] [--explain]
     rlslurm submit examples/tiny-grpo.yaml [--backend local|slurm] [--wait]
+    rlslurm resume <jobid|rundir> [--set train.steps=120] [--wait]
     rlslurm status <jobid|rundir>      rlslurm drain <jobid|rundir>
     rlslurm diag <jobid|rundir>        rlslurm envdiff A [B]
     rlslurm report <jobid|rundir>
@@ -44,9 +45,9 @@ def cli(ctx: click.Context, debug: bool) -> None:
 
 def _register() -> None:
     # Each subcommand lives in its own module; importing it here keeps `rlslurm --help` complete.
-    from rlslurm.cli import diag, drain, envdiff, plan, report, status, submit, validate
+    from rlslurm.cli import diag, drain, envdiff, plan, report, resume, status, submit, validate
 
-    for module in (validate, plan, submit, status, drain, diag, envdiff, report):
+    for module in (validate, plan, submit, resume, status, drain, diag, envdiff, report):
         cli.add_command(module.command)
 
 

@@ -24,15 +24,21 @@ def command(config: str, overrides: tuple[str, ...], force: bool, backend: str |
     sub = launch.submit(job, config_text=Path(config).read_text(), force=force, backend=backend, run_root=run_root)
     click.echo(launch.describe(sub))
     if wait:
-        from rlslurm.progress import LinePrinter, Progress
-        from rlslurm.rundir import RunDir
+        follow(sub, job.train.steps)
 
-        progress = Progress(RunDir(sub.run_dir), total_steps=job.train.steps)
-        printer = LinePrinter(click.get_text_stream("stdout"))
-        try:
-            results = launch.wait(sub, on_poll=lambda: printer.show(progress.poll()))
-            printer.show(progress.poll(), final=True)
-        finally:
-            printer.close()
-        click.echo(f"job {sub.job_id} ended: {results}")
-        launch.check_results(sub, results)
+
+def follow(sub, total_steps: int) -> None:
+    """--wait: the progress line until the job ends; raises JobFailedError if it failed or did not finish."""
+    from rlslurm import launch
+    from rlslurm.progress import LinePrinter, Progress
+    from rlslurm.rundir import RunDir
+
+    progress = Progress(RunDir(sub.run_dir), total_steps=total_steps)
+    printer = LinePrinter(click.get_text_stream("stdout"))
+    try:
+        results = launch.wait(sub, on_poll=lambda: printer.show(progress.poll()))
+        printer.show(progress.poll(), final=True)
+    finally:
+        printer.close()
+    click.echo(f"job {sub.job_id} ended: {results}")
+    launch.check_results(sub, results)

@@ -21,7 +21,7 @@ import yaml
 from procs import wait_for as poll_for
 from rlslurm.checkpoint import latest_complete, step_dirname
 from rlslurm.events import read_events
-from rlslurm.lifecycle import ExitCode
+from rlslurm.lifecycle import NOT_UNDER_SLURM, ExitCode
 from rlslurm.rundir import RunDir, read_jsonl
 
 WORLD = 2
@@ -132,7 +132,7 @@ def test_usr1_drains_both_ranks_at_one_step_and_the_restart_ends_like_the_refere
     step = drained["step"]
     assert 20 <= step < STEPS and drained["checkpoint"] == step_dirname(step)
     assert drained["signal"] == "SIGUSR1" and drained["reason"] == "rank 1: signal SIGUSR1"
-    assert drained["requeued"] == "not under SLURM: the launcher restarts the job"
+    assert drained["requeued"] == NOT_UNDER_SLURM
     assert last_step(run) == step  # no rank trained past the drain step
 
     codes = wait_all(launch(config, run_dir, restart=1), run_dir, 1)
