@@ -13,6 +13,7 @@ SURFACE = {
     "drain": ["--reason", "--run-root"],
     "envdiff": ["--run-root", "--sync-method"],
     "report": ["--json", "--out", "--run-root"],
+    "resume": ["--backend", "--force", "--run-root", "--set", "--wait"],
     "plan": ["--explain", "--json", "--set"],
     "status": ["--json", "--run-root"],
     "submit": ["--backend", "--force", "--run-root", "--set", "--wait"],
