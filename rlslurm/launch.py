@@ -154,7 +154,7 @@ def resume(target: str, *, overrides: tuple[str, ...] = (), force: bool = False,
         raise PreflightError("the plan says this job cannot run as configured:\n  - " + "\n  - ".join(problems)
                              + "\n(rlslurm plan shows the numbers; --force submits anyway)")
     last = (read_jsonl(run.path / "submissions.jsonl") or [{}])[-1]
-    alive = _alive(run, job, clock())
+    alive = signs_of_life(run, job, clock())
     if not alive and last.get("backend") == "slurm" and previous:
         try:
             states = {c["state"] for c in slurm_components(previous)}
@@ -184,7 +184,7 @@ _SLURM_LIVE = {"PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", 
                "COMPLETING", "CONFIGURING", "STOPPED", "SIGNALING"}
 
 
-def _alive(run: RunDir, job: JobConfig, now: float) -> str | None:
+def signs_of_life(run: RunDir, job: JobConfig, now: float) -> str | None:
     """Why the run's processes look alive (a heartbeat, not marked exited, newer than a few beats), or None."""
     from rlslurm.diag.heartbeat import read_heartbeats
 

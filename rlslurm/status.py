@@ -142,7 +142,15 @@ def render(status: Status) -> str:
     if status.last_events:
         lines.append("last events:")
         for e in status.last_events:
-            extra = {k: v for k, v in e.items() if k not in ("t", "kind", "host", "pid", "role", "rank")}
             stamp = time.strftime("%H:%M:%S", time.localtime(e.get("t", 0)))
-            lines.append(f"  {stamp} {e.get('kind')} {e.get('role')}-{e.get('rank')} {extra if extra else ''}".rstrip())
+            lines.append(f"  {stamp} {e.get('kind')} {e.get('role')}-{e.get('rank')} {_fields(e)}".rstrip())
     return "\n".join(lines) + "\n"
+
+
+def _fields(event: dict, most: int = 6) -> str:
+    """An event's own fields, short: floats to 3 significant digits, at most `most` of them (the file has all)."""
+    extra = [(k, v) for k, v in event.items() if k not in ("t", "kind", "host", "pid", "role", "rank")]
+    text = [f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in extra[:most]]
+    if len(extra) > most:
+        text.append(f"(+{len(extra) - most} more)")
+    return " ".join(text)

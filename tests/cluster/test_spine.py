@@ -1,7 +1,8 @@
 """The SLURM spine end to end on the real local cluster: `rlslurm submit` of the toy job (jobs/toytrain.py,
 2 DDP ranks over gloo on a `train` node + the stand-in component on a `rollout` node), then every way a
 job is stopped and comes back: the pre-timeout USR1, `scontrol requeue`, preemption by the `urgent`
-partition, a real time limit, SIGKILL while a checkpoint is half written. Each run must end with the
+partition, a real time limit, SIGKILL while a checkpoint is half written, and `scancel` followed by
+`rlslurm resume <jobid>`. Each run must end with the
 uninterrupted reference's weights checksum and per-step losses. Prints MEASURE lines (-s shows them).
 
     python -m pytest -q -s tests/cluster/test_spine.py
@@ -91,6 +92,7 @@ def test_het_job_lands_on_train_and_rollout_and_status_shows_it(slurm_cluster, r
     assert f"component 0: COMPLETED partition=train nodes={by_role['train', 0]['node']}" in out
     assert f"component 1: COMPLETED partition=rollout nodes={by_role['rollout', 0]['node']}" in out
     assert f"last complete checkpoint: {step_dirname(STEPS)}" in out
+    assert f"progress: step {STEPS}/{STEPS} 100% | loss " in out and out.count("| done\n") == 1
     assert " done train-0 " in out
 
 
@@ -183,6 +185,33 @@ def test_sigkill_while_writing_checkpoint_resumes_from_previous_complete(slurm_c
     assert su.losses(sub.run_dir) == su.losses(reference)
     assert su.final_sha(sub.run_dir) == su.final_sha(reference)
     print("\n" + su.measure_line("SIGKILL mid-checkpoint + requeue", su.restart_timing(sub.run_dir, killed_at, 1)))
+
+
+def test_a_cancelled_job_is_resumed_by_job_id_and_finishes_as_the_reference(slurm_cluster, reference, tmp_path):
+    """scancel stops the job for good (SLURM does not requeue it); `rlslurm resume <jobid>` submits the run
+    again, a new job in the same run directory, which goes on from the checkpoint the cancel left."""
+    sub = su.submit(su.toy_config(tmp_path / "cancel.yaml", tmp_path / "runs"))
+    su.wait_for("step 9", lambda: su.last_step(sub.run_dir) >= 9, JOB_TIMEOUT_S)
+    runner = CliRunner()
+    refused = runner.invoke(cli, ["resume", sub.job_id, "--run-root", str(tmp_path / "runs")])
+    assert refused.exit_code == 1 and "is not stopped" in refused.output, refused.output
+    commands.scancel(sub.job_id)
+    su.wait_for(f"job {sub.job_id} cancelled", lambda: su.state(sub.job_id) == "CANCELLED", 60, poll_s=0.25)
+    su.wait_for("every rank's exit", lambda: not launch.signs_of_life(RunDir(sub.run_dir), su.load_config(
+        sub.run_dir / "config.yaml"), time.time()), 30, poll_s=0.25)
+    step_at_cancel = su.last_step(sub.run_dir)
+
+    result = runner.invoke(cli, ["resume", sub.job_id, "--run-root", str(tmp_path / "runs")])
+    assert result.exit_code == 0, result.output
+    job_id = re.search(r"submitted slurm job (\d+)", result.output).group(1)
+    assert job_id != sub.job_id and f"run directory: {sub.run_dir}" in result.output
+    su.TRACKED.append((job_id, sub.run_dir))
+    su.wait_done(job_id, sub.run_dir, JOB_TIMEOUT_S, slurm_cluster.kick)
+    (resume,) = su.events(sub.run_dir, "resume")
+    assert step_at_cancel - INTERVAL <= resume["step"] <= step_at_cancel  # the cancel's drain or a periodic one
+    assert str(read_jsonl(RunDir(sub.run_dir).jobs)[-1]["job_id"]) == job_id
+    assert su.losses(sub.run_dir) == su.losses(reference)
+    assert su.final_sha(sub.run_dir) == su.final_sha(reference)
 
 
 def test_local_backend_finishes_with_the_same_checksum(reference, tmp_path, monkeypatch):
