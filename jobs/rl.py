@@ -561,8 +561,8 @@ def save(run: RunDir, job: JobConfig, topo: Topology, policy: Policy, step: int,
 
 def _save_shards(policy, ckpt: CheckpointWriter | None, topo: Topology) -> list[str]:
     """Collective where the optimizer is sharded (it has `save_shards`): rank 0 names its temp dir, each
-    rank writes its shard there; rank 0 gets every file name, the others []. The torch Policy's optimizer is whole on
-    rank 0: nothing to do."""
+    rank writes its shard there; rank 0 gets every file name, the others []. The torch Policy's
+    optimizer is whole on rank 0: nothing to do."""
     save_shards = getattr(policy.optimizer, "save_shards", None)
     if save_shards is None:
         return []
@@ -574,7 +574,7 @@ def _save_shards(policy, ckpt: CheckpointWriter | None, topo: Topology) -> list[
 
 
 def load(ckpt: Checkpoint, policy: Policy, topo: Topology) -> dict:
-    """Collective for a sharded optimizer (`load_shards`), after the weights it refines."""
+    """Weights, optimizer (a sharded one then takes this rank's shard: `load_shards`), RNG; the RL state."""
     state = ckpt.load_tensors("model")
     policy.model.load_state_dict(state, strict=False)
     policy.optimizer.load_state_dict(ckpt.load_state("optimizer"))

@@ -102,15 +102,23 @@ def new_run_dir(job: JobConfig, root: str | Path | None = None) -> RunDir:
     return RunDir(path).create()
 
 
-def prepare(job: JobConfig, *, config_text: str, force: bool = False, run_root: str | Path | None = None):
-    """Plan, pre-flight and a new run directory holding the config and the plan. Nothing is submitted."""
-    from rlslurm.plan.report import build_plan, preflight, render_json
+def checked_plan(job: JobConfig, force: bool = False):
+    """The job's plan and its pre-flight problems; PreflightError unless there are none or `force`."""
+    from rlslurm.plan.report import build_plan, preflight
 
     plan = build_plan(job)
     problems = preflight(plan)
     if problems and not force:
         raise PreflightError("the plan says this job cannot run as configured:\n  - " + "\n  - ".join(problems)
                              + "\n(rlslurm plan shows the numbers; --force submits anyway)")
+    return plan, problems
+
+
+def prepare(job: JobConfig, *, config_text: str, force: bool = False, run_root: str | Path | None = None):
+    """Plan, pre-flight and a new run directory holding the config and the plan. Nothing is submitted."""
+    from rlslurm.plan.report import render_json
+
+    plan, problems = checked_plan(job, force)
     run = new_run_dir(job, run_root)
     run.config.write_text(yaml.safe_dump(to_dict(job), sort_keys=False))
     (run.path / "config.submitted.yaml").write_text(config_text)
@@ -124,15 +132,16 @@ def submit(job: JobConfig, *, config_text: str, force: bool = False, backend: st
            run_root: str | Path | None = None) -> Submission:
     """Validate -> plan -> pre-flight -> run directory -> submit; returns the job id and run directory."""
     run, plan = prepare(job, config_text=config_text, force=force, run_root=run_root)
-    chosen = resolve_backend(job, backend)
+    return _launch(job, run, plan, resolve_backend(job, backend))
+
+
+def _launch(job: JobConfig, run: RunDir, plan, backend: str, **record) -> Submission:
+    """Submit the run's job on `backend` and record it (submissions.jsonl, a `submitted` event)."""
     lay = layout(job, plan.chosen.rollout_nodes if plan.placement == "separate" else 0)
-    if chosen == "slurm":
-        sub = _submit_slurm(job, run, lay)
-    else:
-        sub = _submit_local(job, run, lay)
+    sub = _submit_slurm(job, run, lay) if backend == "slurm" else _submit_local(job, run, lay)
     run.append_json(run.path / "submissions.jsonl",
-                    {"t": time.time(), "job_id": sub.job_id, "backend": chosen, "layout": lay.__dict__})
-    events.emit(run, "submitted", job_id=sub.job_id, backend=chosen, layout=lay.__dict__)
+                    {"t": time.time(), "job_id": sub.job_id, "backend": backend, "layout": lay.__dict__, **record})
+    events.emit(run, "submitted", job_id=sub.job_id, backend=backend, layout=lay.__dict__, **record)
     return sub
 
 
@@ -143,16 +152,12 @@ def resume(target: str, *, overrides: tuple[str, ...] = (), force: bool = False,
     there, as a requeue would. `overrides` change its config (e.g. train.steps=120 trains on); validated
     and pre-flighted like a new submission. Refused while a job of the run still shows signs of life."""
     from rlslurm.config import load_config
-    from rlslurm.plan.report import build_plan, preflight, render_json
+    from rlslurm.plan.report import render_json
     from rlslurm.status import find_run, slurm_components
 
     run, previous = find_run(target, run_root)
     job = load_config(run.config, overrides)
-    plan = build_plan(job)
-    problems = preflight(plan)
-    if problems and not force:
-        raise PreflightError("the plan says this job cannot run as configured:\n  - " + "\n  - ".join(problems)
-                             + "\n(rlslurm plan shows the numbers; --force submits anyway)")
+    plan, problems = checked_plan(job, force)
     last = (read_jsonl(run.path / "submissions.jsonl") or [{}])[-1]
     alive = signs_of_life(run, job, clock())
     if not alive and last.get("backend") == "slurm" and previous:
@@ -169,15 +174,11 @@ def resume(target: str, *, overrides: tuple[str, ...] = (), force: bool = False,
         run.config.write_text(yaml.safe_dump(to_dict(job), sort_keys=False))
         run.plan.write_text(render_json(plan))
         events.emit(run, "config_changed", overrides=list(overrides))
-    chosen = resolve_backend(job, backend or last.get("backend"))
-    lay = layout(job, plan.chosen.rollout_nodes if plan.placement == "separate" else 0)
+    if problems:
+        events.emit(run, "preflight_forced", problems=problems)
     # A new series of starts: the no-progress count (lifecycle.on_start) does not reach back past it.
     run.record_start(resubmitted=True, after_job_id=previous, step=None)
-    sub = _submit_slurm(job, run, lay) if chosen == "slurm" else _submit_local(job, run, lay)
-    run.append_json(run.path / "submissions.jsonl", {"t": time.time(), "job_id": sub.job_id, "backend": chosen,
-                                                     "layout": lay.__dict__, "resume_of": previous})
-    events.emit(run, "submitted", job_id=sub.job_id, backend=chosen, layout=lay.__dict__, resume_of=previous)
-    return sub
+    return _launch(job, run, plan, resolve_backend(job, backend or last.get("backend")), resume_of=previous)
 
 
 _SLURM_LIVE = {"PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SUSPENDED",

@@ -131,11 +131,9 @@ class Progress:
                 self._evaluated(event, event["held_out_accuracy"])
             if event.get("kind") in NOTABLE:
                 self.note = _event_note(event)
-            elif event.get("kind") == "submitted":  # `rlslurm resume`: what the last job said is history
+            elif event.get("kind") in ("submitted", "start"):  # a new job or start: the last one's word is history
                 self.note = None
                 self.step_s.clear()
-            elif event.get("kind") in ("first_step", "start") and self.note and self.note.startswith("draining"):
-                self.note = None
         line = self.line()
         if line == self._shown:
             return None
