@@ -8,7 +8,8 @@
 `rlslurm submit --wait` prints it through `LinePrinter` (rewritten in place on a terminal; elsewhere a
 new line when it changed, at most every `every_s`), and `rlslurm status` shows the latest. Both files are
 read incrementally (`JsonlTail`: only the bytes appended since the last poll; a half-written last line
-waits for the next), so following a long run costs a read of what it added. One line shape per kind of
+waits for the next), so following a long run costs a read of what it added; their new lines are taken in
+the order of their times `t`. One line shape per kind of
 run: RL steps (`policy_version` in the record), SFT steps (`kind: sft_step`), the toy job (`loss`).
 """
 
@@ -96,7 +97,7 @@ class Progress:
         self.events = JsonlTail(run.path / "events.jsonl")
         self.step_s: deque[float] = deque(maxlen=window)
         self.last: dict | None = None
-        self.evaluated: tuple[float, int, float] | None = None  # (time, step, held-out accuracy)
+        self.evaluated: tuple[int, float] | None = None  # (step, held-out accuracy)
         self.note: str | None = None
         self.last_event: str | None = None
         self._shown: str | None = None
@@ -118,22 +119,27 @@ class Progress:
         self.last = record
 
     def _evaluated(self, record: dict, accuracy: float) -> None:
-        # metrics and events are read one after the other: the newest evaluation wins, whichever file said it
-        if self.evaluated is None or record.get("t", 0.0) >= self.evaluated[0]:
-            self.evaluated = (record.get("t", 0.0), record.get("step", 0), accuracy)
+        self.evaluated = (record.get("step", 0), accuracy)
+
+    def _event(self, event: dict) -> None:
+        self.last_event = event.get("kind")
+        if event.get("kind") == "eval" and "held_out_accuracy" in event:
+            self._evaluated(event, event["held_out_accuracy"])
+        if event.get("kind") in NOTABLE:
+            self.note = _event_note(event)
+        elif event.get("kind") in ("submitted", "start"):  # a new job or start: the last one's word is history
+            self.note = None
+            self.step_s.clear()
 
     def poll(self) -> str | None:
-        for record in self.metrics.read():
-            self._take(record)
-        for event in self.events.read():
-            self.last_event = event.get("kind")
-            if event.get("kind") == "eval" and "held_out_accuracy" in event:
-                self._evaluated(event, event["held_out_accuracy"])
-            if event.get("kind") in NOTABLE:
-                self.note = _event_note(event)
-            elif event.get("kind") in ("submitted", "start"):  # a new job or start: the last one's word is history
-                self.note = None
-                self.step_s.clear()
+        # Both files' new lines in the order they were written (every record and event has its time `t`).
+        new = [(r.get("t", 0.0), 0, r) for r in self.metrics.read()]
+        new += [(e.get("t", 0.0), 1, e) for e in self.events.read()]
+        for _, is_event, item in sorted(new, key=lambda x: x[:2]):
+            if is_event:
+                self._event(item)
+            else:
+                self._take(item)
         line = self.line()
         if line == self._shown:
             return None
@@ -173,7 +179,7 @@ class Progress:
             if rate is not None:
                 parts.append(f"{rate:.3f} s/step")
         if self.evaluated is not None:
-            parts.append(f"held-out {self.evaluated[2]:.3f} (step {self.evaluated[1]})")
+            parts.append(f"held-out {self.evaluated[1]:.3f} (step {self.evaluated[0]})")
         if rate is not None and total and step < total:
             parts.append(f"ETA {_duration(rate * (total - step))}")
         if r.get("restart_count"):

@@ -34,8 +34,10 @@ def test_the_line_of_a_finished_rl_run(tmp_path):
         shutil.copy(DATA / "rl" / name, run.path / name)
     progress = Progress(run, total_steps=4)
     line = progress.poll()
-    last = json.loads(_lines("rl", "metrics.jsonl")[-1])
-    assert line.startswith("step 4/4 100% | ")
+    records = [json.loads(m) for m in _lines("rl", "metrics.jsonl")]
+    last = records[-1]
+    mean_s = sum(r["step_s"] for r in records) / len(records)  # the run's `start` event came before them all
+    assert line.startswith(f"step 4/4 100% | {mean_s:.2f} s/step: ")
     assert f"rollout {100 * last['rollout_share']:.0f}% reward {100 * last['reward_share']:.0f}%" in line
     assert "held-out 0.000 (step 4)" in line  # the step-4 evaluation, newer than the start's (an event)
     assert line.endswith(" | done") and "ETA" not in line
