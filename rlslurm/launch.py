@@ -278,7 +278,7 @@ def wait(sub: Submission, timeout_s: float | None = None, poll_s: float = 2.0,
     """Block until the job's component 0 finished (bounded, logged); returns its result or raises.
     `on_poll` runs at every poll (`rlslurm submit --wait` prints the progress line there)."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    while not sub.job.done():
+    while not _finished(sub):
         if deadline is not None and time.monotonic() > deadline:
             raise RlslurmError(f"job {sub.job_id} still running after {timeout_s:.0f} s; run dir {sub.run_dir}")
         log.info("waiting for job %s (%s)", sub.job_id, sub.run_dir)
@@ -291,6 +291,28 @@ def wait(sub: Submission, timeout_s: float | None = None, poll_s: float = 2.0,
         return sub.job.results()
     except (FailedJobError, UncompletedJobError) as e:
         raise JobFailedError(failure_message(sub.job_id, sub.run_dir, str(e))) from e
+
+
+SLURM_FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
+               "PREEMPTED"}
+"""States a SLURM job does not leave (a requeued job goes PENDING, not PREEMPTED)."""
+
+
+def _finished(sub: Submission) -> bool:
+    """submitit's done(), and on SLURM the job's own final state too: a job that drained and requeued
+    itself has left its first allocation's result behind (submitit calls that done) but is coming back."""
+    if not sub.job.done():
+        return False
+    if sub.backend != "slurm":
+        return True
+    from rlslurm.slurm import hetjob
+
+    try:
+        state = hetjob.job_states([sub.job_id]).get(sub.job_id, {}).get("State")
+    except RlslurmError as e:
+        log.warning("job %s: SLURM state unknown (%s); taking submitit's word that it is done", sub.job_id, e)
+        return True
+    return state is None or state.split()[0] in SLURM_FINAL
 
 
 def check_results(sub: Submission, results) -> None:

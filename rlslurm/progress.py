@@ -97,6 +97,7 @@ class Progress:
         self.events = JsonlTail(run.path / "events.jsonl")
         self.step_s: deque[float] = deque(maxlen=window)
         self.last: dict | None = None
+        self._rate_from: dict | None = None  # the record a `t`-difference rate is measured from
         self.evaluated: tuple[int, float] | None = None  # (step, held-out accuracy)
         self.note: str | None = None
         self.last_event: str | None = None
@@ -109,14 +110,20 @@ class Progress:
         if "step" not in record or record.get("final") or not ("policy_version" in record or "loss" in record):
             return
         if self.last is not None and record["step"] <= self.last["step"]:
-            self.step_s.clear()  # a resume from an older checkpoint: the rate starts again
+            self._restart_rate()  # steps made again after a resume from an older checkpoint
+        since = self._rate_from
         if "step_s" in record:
             self.step_s.append(record["step_s"])
-        elif self.last is not None and "t" in record and "t" in self.last and record["step"] > self.last["step"]:
-            self.step_s.append((record["t"] - self.last["t"]) / (record["step"] - self.last["step"]))
+        elif since is not None and "t" in record and "t" in since and record["step"] > since["step"]:
+            self.step_s.append((record["t"] - since["t"]) / (record["step"] - since["step"]))
         if "held_out_accuracy" in record:
             self._evaluated(record, record["held_out_accuracy"])
-        self.last = record
+        self.last = self._rate_from = record
+
+    def _restart_rate(self) -> None:
+        """A new start: its steps' pace is its own (the gap of a requeue is no step's time)."""
+        self.step_s.clear()
+        self._rate_from = None
 
     def _evaluated(self, record: dict, accuracy: float) -> None:
         self.evaluated = (record.get("step", 0), accuracy)
@@ -125,11 +132,12 @@ class Progress:
         self.last_event = event.get("kind")
         if event.get("kind") == "eval" and "held_out_accuracy" in event:
             self._evaluated(event, event["held_out_accuracy"])
+        if event.get("kind") in ("submitted", "start", "resume"):
+            self._restart_rate()
         if event.get("kind") in NOTABLE:
             self.note = _event_note(event)
         elif event.get("kind") in ("submitted", "start"):  # a new job or start: the last one's word is history
             self.note = None
-            self.step_s.clear()
 
     def poll(self) -> str | None:
         # Both files' new lines in the order they were written (every record and event has its time `t`).

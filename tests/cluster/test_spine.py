@@ -101,6 +101,9 @@ def test_usr1_drains_all_ranks_at_one_step_requeues_and_resumes_exactly(slurm_cl
     su.wait_for("step 6", lambda: su.last_step(sub.run_dir) >= 6, JOB_TIMEOUT_S)
     # To the steps (no -b/-f): every rank and the rollout stand-in get it, as with --signal=USR1@N.
     commands.scancel(sub.job_id, signal="USR1")
+    # What `rlslurm submit --wait` waits with: it follows the job through its requeue (the first
+    # allocation's result, exit 75, is not the job's) and returns the last allocation's exit codes.
+    assert launch.wait(sub, timeout_s=JOB_TIMEOUT_S, poll_s=1.0, on_poll=slurm_cluster.kick) == [0, 0]
     su.wait_done(sub.job_id, sub.run_dir, JOB_TIMEOUT_S, slurm_cluster.kick)
     run = sub.run_dir
 

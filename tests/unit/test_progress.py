@@ -79,7 +79,16 @@ def test_the_line_of_an_sft_run_and_of_the_toy_job(tmp_path):
     toy = _run(tmp_path / "toy")
     toy.metrics.write_text("".join(json.dumps({"t": 100.0 + s, "step": s, "loss": 1.0 / s, "restart_count": 1})
                                    + "\n" for s in (1, 2, 3)))
-    assert Progress(toy, total_steps=7).poll() == "step 3/7 42% | loss 0.3333 | 1.000 s/step | ETA 4s | restart 1"
+    progress = Progress(toy, total_steps=7)
+    assert progress.poll() == "step 3/7 42% | loss 0.3333 | 1.000 s/step | ETA 4s | restart 1"
+    # Requeued: 50 s away, back from the step-2 checkpoint at half a second a step. The gap is no step's time.
+    (toy.path / "events.jsonl").write_text(json.dumps({"t": 150.0, "kind": "resume", "step": 2,
+                                                       "checkpoint": "step-00000002", "restart_count": 2}) + "\n")
+    with open(toy.metrics, "a") as f:
+        for s, t in ((3, 153.0), (4, 153.5)):
+            f.write(json.dumps({"t": t, "step": s, "loss": 1.0 / s, "restart_count": 2}) + "\n")
+    assert progress.poll() == ("step 4/7 57% | loss 0.2500 | 0.500 s/step | ETA 2s | restart 2 | "
+                               "resumed from step-00000002")
 
 
 def test_a_torn_line_is_skipped_and_a_missing_file_is_empty(tmp_path):
