@@ -15,13 +15,11 @@ run: RL steps (`policy_version` in the record), SFT steps (`kind: sft_step`), th
 
 from __future__ import annotations
 
-import json
 import time
 from collections import defaultdict, deque
-from pathlib import Path
 from typing import TextIO
 
-from rlslurm.rundir import RunDir
+from rlslurm.rundir import JsonlTail, RunDir
 
 PHASES = ("rollout", "reward", "train", "sync")
 # Events that change what a reader should know about the run, as the line's last part says them.
@@ -46,32 +44,6 @@ NOTABLE = {
     "done": "done",
     "sft_finished": "done",
 }
-
-
-class JsonlTail:
-    """The records appended to a JSON-lines file since the last `read()`."""
-
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-        self.offset = 0
-        self.partial = b""
-
-    def read(self) -> list[dict]:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except FileNotFoundError:
-            return []
-        self.offset += len(data)
-        *lines, self.partial = (self.partial + data).split(b"\n")
-        out = []
-        for line in lines:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # empty, or torn by a writer killed mid-line: the record is lost, not the run
-        return out
 
 
 def _duration(seconds: float) -> str:

@@ -87,3 +87,30 @@ def read_jsonl(path: Path) -> list[dict]:
         except json.JSONDecodeError:
             continue
     return records
+
+
+class JsonlTail:
+    """The records appended to a JSON-lines file since the last `read()` (a line still being written is
+    kept for the next); `from_end` skips what the file holds already."""
+
+    def __init__(self, path: str | Path, *, from_end: bool = False):
+        self.path = Path(path)
+        self.offset = self.path.stat().st_size if from_end and self.path.is_file() else 0
+        self.partial = b""
+
+    def read(self) -> list[dict]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self.offset += len(data)
+        *lines, self.partial = (self.partial + data).split(b"\n")
+        out = []
+        for line in lines:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # empty, or torn by a writer killed mid-line: the record is lost, not the run
+        return out

@@ -43,7 +43,7 @@ from rlslurm.reward.client import Outcome, RewardClient, StepScores
 from rlslurm.reward.config import RewardConfig
 from rlslurm.reward.scorers import Item
 from rlslurm.reward.supervisor import RewardSupervisor
-from rlslurm.rundir import RunDir
+from rlslurm.rundir import JsonlTail, RunDir
 
 log = logging.getLogger(__name__)
 ENDPOINT_FILE = "reward.json"
@@ -83,27 +83,10 @@ class ServiceEvents:
     """The supervisor's events appended to <run>/events.jsonl since the previous read (complete lines only)."""
 
     def __init__(self, run: RunDir):
-        self.path = run.events
-        self.offset = self.path.stat().st_size if self.path.is_file() else 0
+        self.tail = JsonlTail(run.events, from_end=True)
 
     def read(self) -> list[dict]:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except FileNotFoundError:
-            return []
-        end = data.rfind(b"\n") + 1  # a line still being written is read next time
-        self.offset += end
-        out = []
-        for line in data[:end].splitlines():
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            if str(event.get("kind", "")).startswith("reward_service_"):
-                out.append(event)
-        return out
+        return [e for e in self.tail.read() if str(e.get("kind", "")).startswith("reward_service_")]
 
 
 class RewardSession:

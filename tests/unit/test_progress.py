@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from rlslurm.launch import failure_message, root_cause
-from rlslurm.progress import JsonlTail, LinePrinter, Progress
-from rlslurm.rundir import RunDir
+from rlslurm.progress import LinePrinter, Progress
+from rlslurm.rundir import JsonlTail, RunDir
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "progress"
 
