@@ -269,7 +269,7 @@ def describe(sub: Submission) -> str:
     return "\n".join([
         f"submitted {sub.backend} job {sub.job_id}",
         f"run directory: {sub.run_dir}",
-        f"follow: rlslurm status {sub.run_dir}   |   tail -f {shlex.quote(str(sub.run_dir / 'events.jsonl'))}",
+        f"follow: rlslurm status {shlex.quote(str(sub.run_dir))} --follow",
     ])
 
 
@@ -293,11 +293,6 @@ def wait(sub: Submission, timeout_s: float | None = None, poll_s: float = 2.0,
         raise JobFailedError(failure_message(sub.job_id, sub.run_dir, str(e))) from e
 
 
-SLURM_FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
-               "PREEMPTED"}
-"""States a SLURM job does not leave (a requeued job goes PENDING, not PREEMPTED)."""
-
-
 def _finished(sub: Submission) -> bool:
     """submitit's done(), and on SLURM the job's own final state too: a job that drained and requeued
     itself has left its first allocation's result behind (submitit calls that done) but is coming back."""
@@ -308,11 +303,10 @@ def _finished(sub: Submission) -> bool:
     from rlslurm.slurm import hetjob
 
     try:
-        state = hetjob.job_states([sub.job_id]).get(sub.job_id, {}).get("State")
+        return hetjob.final_state(sub.job_id) is not None
     except RlslurmError as e:
         log.warning("job %s: SLURM state unknown (%s); taking submitit's word that it is done", sub.job_id, e)
         return True
-    return state is None or state.split()[0] in SLURM_FINAL
 
 
 def check_results(sub: Submission, results) -> None:

@@ -154,3 +154,59 @@ def _fields(event: dict, most: int = 6) -> str:
     if len(extra) > most:
         text.append(f"(+{len(extra) - most} more)")
     return " ".join(text)
+
+
+FINISHED_EVENTS = ("done", "sft_finished")
+"""Events a job emits when it trained to the end."""
+
+
+def job_ended(run: RunDir, job_id: str | None, backend: str | None, now: float,
+              start_timeout_s: float = 120.0) -> str | None:
+    """How the run's newest job ended, or None while it may still run: SLURM's final state for a SLURM
+    job (requeues are not an end); off SLURM `exited` once every process that beat since the submission
+    is gone, or `never started` when none beat within start_timeout_s."""
+    from rlslurm.diag.heartbeat import pid_alive, read_heartbeats
+    from rlslurm.events import read_events
+    from rlslurm.slurm import hetjob
+
+    if backend == "slurm" and job_id:
+        return hetjob.final_state(job_id)
+    submitted = read_events(run, "submitted")
+    since = submitted[-1]["t"] if submitted else 0.0
+    beats = [hb for hb in read_heartbeats(run) if hb.get("written", 0.0) >= since]
+    if any(hb.get("state") != "exited" and pid_alive(hb) for hb in beats):
+        return None
+    if beats:
+        return "exited"
+    return "never started" if now - since > start_timeout_s else None
+
+
+def follow(target: str, run_root: str | Path | None, show, *, poll_s: float = 2.0, timeout_s: float | None = None,
+           clock=time.time, sleep=time.sleep) -> str:
+    """`rlslurm status --follow`: `show(line)` the progress line until the job ends; returns how it ended
+    (it finished: its last events say so), else raises JobFailedError naming the end and what to run next.
+    `timeout_s` bounds the wait (RlslurmError past it); `sleep` is also where a test kicks its scheduler."""
+    from rlslurm.errors import JobFailedError, RlslurmError
+    from rlslurm.events import read_events
+
+    run, job_id = find_run(target, run_root)
+    backend = _backend(run)
+    progress = Progress(run, total_steps=_total_steps(run))
+    started = clock()
+    while True:
+        show(progress.poll())
+        ended = job_ended(run, job_id, backend, clock())
+        if ended:
+            break
+        if timeout_s is not None and clock() - started > timeout_s:
+            raise RlslurmError(f"job {job_id or '-'} of {run.path} still running after {timeout_s:.0f} s: "
+                               f"{progress.line()}")
+        sleep(poll_s)
+    show(progress.poll())
+    submitted = read_events(run, "submitted")
+    since = submitted[-1]["t"] if submitted else 0.0
+    if any(e.get("t", 0.0) >= since for kind in FINISHED_EVENTS for e in read_events(run, kind)):
+        return ended
+    raise JobFailedError(f"job {job_id or '-'} of {run.path} ended ({ended}) without finishing: "
+                         f"{progress.line()}; next: rlslurm diag {job_id or run.path}, then rlslurm resume "
+                         f"{run.path} to go on from its last checkpoint")

@@ -147,6 +147,21 @@ def job_states(leader_ids: tp.Sequence[str]) -> dict[str, dict[str, str]]:
     return out
 
 
+FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
+                "PREEMPTED"}
+"""States a SLURM job does not leave (a requeued job goes PENDING, not PREEMPTED)."""
+
+
+def final_state(leader_id: str) -> str | None:
+    """The job's final state (e.g. COMPLETED; UNKNOWN where SLURM no longer knows the job), or None while
+    it is not final (pending, running, requeued)."""
+    state = job_states([leader_id]).get(leader_id, {}).get("State")
+    if state is None:
+        return "UNKNOWN"
+    state = state.split()[0]
+    return state if state in FINAL_STATES else None
+
+
 class HetSlurmExecutor(submitit_slurm.SlurmExecutor):
     """submitit's SlurmExecutor for a heterogeneous job: component 0 from its parameters, then one
     `#SBATCH hetjob` block per entry of `components` (none: a plain job). All SLURM commands go through

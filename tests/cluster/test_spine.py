@@ -27,6 +27,7 @@ from rlslurm.checkpoint import latest_complete, step_dirname
 from rlslurm.cli.main import cli
 from rlslurm.rundir import RunDir, read_jsonl
 from rlslurm.slurm import commands
+from rlslurm.status import follow
 import spine_util as su
 from spine_util import INTERVAL, STEPS
 
@@ -65,6 +66,11 @@ def reference(slurm_cluster, tmp_path_factory) -> Path:
     job_id = re.search(r"submitted slurm job (\d+)", result.output).group(1)
     run = Path(re.search(r"run directory: (.+)", result.output).group(1))
     su.TRACKED.append((job_id, run))
+    # `rlslurm status --follow` (as a library call, to kick the local cluster's idle scheduler as it waits)
+    lines = []
+    ended = follow(job_id, root / "runs", lines.append, poll_s=0.5, timeout_s=JOB_TIMEOUT_S,
+                   sleep=lambda s: (slurm_cluster.kick(), time.sleep(s)))
+    assert ended == "COMPLETED" and [x for x in lines if x][-1].startswith(f"step {STEPS}/{STEPS} 100% | loss ")
     su.wait_done(job_id, run, JOB_TIMEOUT_S, slurm_cluster.kick)
     assert sorted(su.losses(run)) == list(range(1, STEPS + 1))
     return run

@@ -15,7 +15,7 @@ SURFACE = {
     "report": ["--json", "--out", "--run-root"],
     "resume": ["--backend", "--force", "--run-root", "--set", "--wait"],
     "plan": ["--explain", "--json", "--set"],
-    "status": ["--json", "--run-root"],
+    "status": ["--follow", "--json", "--run-root"],
     "submit": ["--backend", "--force", "--run-root", "--set", "--wait"],
     "validate": ["--print", "--set"],
 }

@@ -147,3 +147,25 @@ def test_wait_reports_a_job_that_ended_without_finishing(tmp_path, codes, fails)
         return
     with pytest.raises(JobFailedError, match=r"exit codes .*(DRAINED|HANG_DETECTED).*rlslurm diag 7"):
         check_results(sub, codes)
+
+
+def test_a_local_job_has_ended_when_no_process_that_beat_since_its_submission_is_alive(tmp_path):
+    import os
+
+    import psutil
+
+    from rlslurm.status import job_ended
+
+    run = _run(tmp_path)
+    (run.path / "events.jsonl").write_text(json.dumps({"t": 1000.0, "kind": "submitted", "job_id": "7"}) + "\n")
+    assert job_ended(run, "7", "local", now=1100.0) is None  # nothing beat yet: it may still be starting
+    assert job_ended(run, "7", "local", now=1200.0) == "never started"
+    run.heartbeats.mkdir()
+    me = {"role": "train", "rank": 0, "pid": os.getpid(), "pid_started": psutil.Process().create_time(),
+          "state": "running", "written": 1001.0}
+    (run.heartbeats / "train-0.json").write_text(json.dumps(me))
+    assert job_ended(run, "7", "local", now=5000.0) is None  # this very process: alive
+    (run.heartbeats / "train-0.json").write_text(json.dumps({**me, "state": "exited"}))
+    assert job_ended(run, "7", "local", now=5000.0) == "exited"
+    (run.heartbeats / "train-0.json").write_text(json.dumps({**me, "written": 999.0}))  # an older job's
+    assert job_ended(run, "7", "local", now=5000.0) == "never started"
