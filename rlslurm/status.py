@@ -156,6 +156,14 @@ def _fields(event: dict, most: int = 6) -> str:
     return " ".join(text)
 
 
+def _submitted_at(run: RunDir) -> float:
+    """When the run's newest job was submitted (its `submitted` event); 0 where none is recorded."""
+    from rlslurm.events import read_events
+
+    submitted = read_events(run, "submitted")
+    return submitted[-1]["t"] if submitted else 0.0
+
+
 FINISHED_EVENTS = ("done", "sft_finished")
 """Events a job emits when it trained to the end."""
 
@@ -166,13 +174,11 @@ def job_ended(run: RunDir, job_id: str | None, backend: str | None, now: float,
     job (requeues are not an end); off SLURM `exited` once every process that beat since the submission
     is gone, or `never started` when none beat within start_timeout_s."""
     from rlslurm.diag.heartbeat import pid_alive, read_heartbeats
-    from rlslurm.events import read_events
     from rlslurm.slurm import hetjob
 
     if backend == "slurm" and job_id:
         return hetjob.final_state(job_id)
-    submitted = read_events(run, "submitted")
-    since = submitted[-1]["t"] if submitted else 0.0
+    since = _submitted_at(run)
     beats = [hb for hb in read_heartbeats(run) if hb.get("written", 0.0) >= since]
     if any(hb.get("state") != "exited" and pid_alive(hb) for hb in beats):
         return None
@@ -203,8 +209,7 @@ def follow(target: str, run_root: str | Path | None, show, *, poll_s: float = 2.
                                f"{progress.line()}")
         sleep(poll_s)
     show(progress.poll())
-    submitted = read_events(run, "submitted")
-    since = submitted[-1]["t"] if submitted else 0.0
+    since = _submitted_at(run)
     if any(e.get("t", 0.0) >= since for kind in FINISHED_EVENTS for e in read_events(run, kind)):
         return ended
     raise JobFailedError(f"job {job_id or '-'} of {run.path} ended ({ended}) without finishing: "
