@@ -22,6 +22,8 @@ from typing import TextIO
 from rlslurm.rundir import JsonlTail, RunDir
 
 PHASES = ("rollout", "reward", "train", "sync")
+FINISHED_EVENTS = ("done", "sft_finished")
+"""Events a job emits when it trained to the end."""
 # Events that change what a reader should know about the run, as the line's last part says them.
 NOTABLE = {
     "resume": "resumed from {checkpoint}",
@@ -66,12 +68,13 @@ class Progress:
     def __init__(self, run: RunDir, total_steps: int | None = None, window: int = 20):
         self.run, self.total_steps = run, total_steps
         self.metrics = JsonlTail(run.metrics)
-        self.events = JsonlTail(run.path / "events.jsonl")
+        self.events = JsonlTail(run.events)
         self.step_s: deque[float] = deque(maxlen=window)
         self.last: dict | None = None
         self._rate_from: dict | None = None  # the record a `t`-difference rate is measured from
         self.evaluated: tuple[int, float] | None = None  # (step, held-out accuracy)
         self.note: str | None = None
+        self.finished = False  # the newest job emitted one of FINISHED_EVENTS: it trained to the end
         self.last_event: str | None = None
         self._shown: str | None = None
 
@@ -106,6 +109,8 @@ class Progress:
             self._evaluated(event, event["held_out_accuracy"])
         if event.get("kind") in ("submitted", "start", "resume"):
             self._restart_rate()
+        if event.get("kind") in ("submitted", *FINISHED_EVENTS):
+            self.finished = event["kind"] in FINISHED_EVENTS
         if event.get("kind") in NOTABLE:
             self.note = _event_note(event)
         elif event.get("kind") in ("submitted", "start"):  # a new job or start: the last one's word is history

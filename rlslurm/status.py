@@ -116,7 +116,7 @@ def collect(target: str, run_root: str | Path | None = None) -> Status:
 
 def _total_steps(run: RunDir) -> int | None:
     try:
-        steps = (yaml.safe_load((run.path / "config.yaml").read_text()) or {}).get("train", {}).get("steps")
+        steps = (yaml.safe_load(run.config.read_text()) or {}).get("train", {}).get("steps")
     except (OSError, yaml.YAMLError, AttributeError):
         return None
     return steps if isinstance(steps, int) else None
@@ -164,21 +164,16 @@ def _submitted_at(run: RunDir) -> float:
     return submitted[-1]["t"] if submitted else 0.0
 
 
-FINISHED_EVENTS = ("done", "sft_finished")
-"""Events a job emits when it trained to the end."""
-
-
-def job_ended(run: RunDir, job_id: str | None, backend: str | None, now: float,
+def job_ended(run: RunDir, job_id: str | None, backend: str | None, now: float, since: float,
               start_timeout_s: float = 120.0) -> str | None:
-    """How the run's newest job ended, or None while it may still run: SLURM's final state for a SLURM
-    job (requeues are not an end); off SLURM `exited` once every process that beat since the submission
-    is gone, or `never started` when none beat within start_timeout_s."""
+    """How the run's newest job (submitted at `since`) ended, or None while it may still run: SLURM's final
+    state for a SLURM job (requeues are not an end); off SLURM `exited` once every process that beat since
+    the submission is gone, or `never started` when none beat within start_timeout_s."""
     from rlslurm.diag.heartbeat import pid_alive, read_heartbeats
     from rlslurm.slurm import hetjob
 
     if backend == "slurm" and job_id:
         return hetjob.final_state(job_id)
-    since = _submitted_at(run)
     beats = [hb for hb in read_heartbeats(run) if hb.get("written", 0.0) >= since]
     if any(hb.get("state") != "exited" and pid_alive(hb) for hb in beats):
         return None
@@ -193,15 +188,15 @@ def follow(target: str, run_root: str | Path | None, show, *, poll_s: float = 2.
     (it finished: its last events say so), else raises JobFailedError naming the end and what to run next.
     `timeout_s` bounds the wait (RlslurmError past it); `sleep` is also where a test kicks its scheduler."""
     from rlslurm.errors import JobFailedError, RlslurmError
-    from rlslurm.events import read_events
 
     run, job_id = find_run(target, run_root)
     backend = _backend(run)
+    since = _submitted_at(run)
     progress = Progress(run, total_steps=_total_steps(run))
     started = clock()
     while True:
         show(progress.poll())
-        ended = job_ended(run, job_id, backend, clock())
+        ended = job_ended(run, job_id, backend, clock(), since)
         if ended:
             break
         if timeout_s is not None and clock() - started > timeout_s:
@@ -209,8 +204,7 @@ def follow(target: str, run_root: str | Path | None, show, *, poll_s: float = 2.
                                f"{progress.line()}")
         sleep(poll_s)
     show(progress.poll())
-    since = _submitted_at(run)
-    if any(e.get("t", 0.0) >= since for kind in FINISHED_EVENTS for e in read_events(run, kind)):
+    if progress.finished:
         return ended
     raise JobFailedError(f"job {job_id or '-'} of {run.path} ended ({ended}) without finishing: "
                          f"{progress.line()}; next: rlslurm diag {job_id or run.path}, then rlslurm resume "

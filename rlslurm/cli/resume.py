@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from rlslurm.cli.submit import follow
+from rlslurm.cli.submit import follow_submission
 
 
 @click.command("resume")
@@ -23,8 +23,9 @@ def command(target: str, overrides: tuple[str, ...], force: bool, backend: str |
     SLURM, cancelled, or stopped for lack of progress. Refused while a job of the run is alive."""
     from rlslurm import launch
     from rlslurm.config import load_config
+    from rlslurm.rundir import RunDir
 
     sub = launch.resume(target, overrides=overrides, force=force, backend=backend, run_root=run_root)
     click.echo(launch.describe(sub))
     if wait:
-        follow(sub, load_config(sub.run_dir / "config.yaml").train.steps)
+        follow_submission(sub, load_config(RunDir(sub.run_dir).config).train.steps)

@@ -24,10 +24,10 @@ def command(config: str, overrides: tuple[str, ...], force: bool, backend: str |
     sub = launch.submit(job, config_text=Path(config).read_text(), force=force, backend=backend, run_root=run_root)
     click.echo(launch.describe(sub))
     if wait:
-        follow(sub, job.train.steps)
+        follow_submission(sub, job.train.steps)
 
 
-def follow(sub, total_steps: int) -> None:
+def follow_submission(sub, total_steps: int) -> None:
     """--wait: the progress line until the job ends; raises JobFailedError if it failed or did not finish."""
     from rlslurm import launch
     from rlslurm.progress import LinePrinter, Progress

@@ -40,7 +40,7 @@ def test_the_line_of_a_finished_rl_run(tmp_path):
     assert line.startswith(f"step 4/4 100% | {mean_s:.2f} s/step: ")
     assert f"rollout {100 * last['rollout_share']:.0f}% reward {100 * last['reward_share']:.0f}%" in line
     assert "held-out 0.000 (step 4)" in line  # the step-4 evaluation, newer than the start's (an event)
-    assert line.endswith(" | done") and "ETA" not in line
+    assert line.endswith(" | done") and "ETA" not in line and progress.finished
     assert progress.poll() is None  # nothing new: nothing to show
 
 
@@ -63,7 +63,7 @@ def test_a_run_followed_while_it_writes(tmp_path):
     assert f"{sum(steps_s) / 2:.2f} s/step" in second  # the mean over the steps seen
     with open(run.path / "events.jsonl", "a") as f:
         f.write(json.dumps({"t": 1.0, "kind": "resume", "checkpoint": "step-00000002", "restart_count": 1}) + "\n")
-    assert progress.poll().endswith(" | resumed from step-00000002")
+    assert progress.poll().endswith(" | resumed from step-00000002") and not progress.finished
 
 
 def test_the_line_of_an_sft_run_and_of_the_toy_job(tmp_path):
@@ -158,14 +158,14 @@ def test_a_local_job_has_ended_when_no_process_that_beat_since_its_submission_is
 
     run = _run(tmp_path)
     (run.path / "events.jsonl").write_text(json.dumps({"t": 1000.0, "kind": "submitted", "job_id": "7"}) + "\n")
-    assert job_ended(run, "7", "local", now=1100.0) is None  # nothing beat yet: it may still be starting
-    assert job_ended(run, "7", "local", now=1200.0) == "never started"
+    assert job_ended(run, "7", "local", now=1100.0, since=1000.0) is None  # nothing beat yet: may be starting
+    assert job_ended(run, "7", "local", now=1200.0, since=1000.0) == "never started"
     run.heartbeats.mkdir()
     me = {"role": "train", "rank": 0, "pid": os.getpid(), "pid_started": psutil.Process().create_time(),
           "state": "running", "written": 1001.0}
     (run.heartbeats / "train-0.json").write_text(json.dumps(me))
-    assert job_ended(run, "7", "local", now=5000.0) is None  # this very process: alive
+    assert job_ended(run, "7", "local", now=5000.0, since=1000.0) is None  # this very process: alive
     (run.heartbeats / "train-0.json").write_text(json.dumps({**me, "state": "exited"}))
-    assert job_ended(run, "7", "local", now=5000.0) == "exited"
+    assert job_ended(run, "7", "local", now=5000.0, since=1000.0) == "exited"
     (run.heartbeats / "train-0.json").write_text(json.dumps({**me, "written": 999.0}))  # an older job's
-    assert job_ended(run, "7", "local", now=5000.0) == "never started"
+    assert job_ended(run, "7", "local", now=5000.0, since=1000.0) == "never started"
