@@ -45,7 +45,7 @@ class SandboxConfig:
     """Address space per process in MiB (RLIMIT_AS)."""
     nproc: int = 32
     """Processes of one execution (RLIMIT_NPROC: per slot uid in mode root, per user namespace in mode
-    userns; it does not bind for a service that runs as root in mode userns)."""
+    userns)."""
     fsize_mb: int = 16
     """Largest file it may write, MiB (RLIMIT_FSIZE)."""
     disk_mb: int = 64
@@ -56,8 +56,8 @@ class SandboxConfig:
     output_kb: int = 64
     """Bytes of stdout and of stderr kept, KiB; one byte more and the execution is killed."""
     uid_base: int = 61000
-    """First uid of the per-slot uids (slot i runs as uid_base + i: on the host in mode root, where none
-    should own files; inside its user namespace in mode userns)."""
+    """First uid of the per-slot uids (slot i runs as uid_base + i: on the host in mode root and for a root
+    service in mode userns, where none should own files; inside its user namespace in mode userns)."""
 
     def __post_init__(self):
         for key in ("cpu_s", "mem_mb", "nproc", "fsize_mb", "disk_mb", "nofile", "output_kb"):

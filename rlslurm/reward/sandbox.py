@@ -39,8 +39,8 @@ does not bind for root and counts *per uid*, so only a uid of its own makes a fo
 without starving other slots.
 
 mode userns (not root, e.g. a SLURM job as a user): an unprivileged user namespace (uid `uid_base +
-slot` inside, the service's uid outside), no capabilities; the kernel counts RLIMIT_NPROC per user
-namespace, so the process limit binds per execution here too.
+slot` inside, the service's uid outside; a root service drops to that uid first), no capabilities;
+the kernel counts RLIMIT_NPROC per user namespace, so the process limit binds per execution here too.
 
 When neither works here (no bubblewrap, no libseccomp, namespaces refused), `require_isolation`
 decides: refuse (default) or run with rlimits only, in a host temp dir.
@@ -176,7 +176,9 @@ def _view_argv(disk_mb: int, program_fd: int) -> list[str]:
             argv += ["--symlink", os.readlink(host), host]
         elif os.path.isdir(host):
             argv += ["--ro-bind", host, host]
-    argv += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache", "--proc", "/proc", "--dir", "/dev"]
+    # bwrap makes the parents of a bind 0700: /etc must be searchable for the dropped uid's loader.
+    argv += ["--perms", "0755", "--dir", "/etc", "--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache",
+             "--proc", "/proc", "--dir", "/dev"]
     for dev in _DEVICES:
         argv += ["--dev-bind", f"/dev/{dev}", f"/dev/{dev}"]
     argv += ["--symlink", "/proc/self/fd", "/dev/fd"]
@@ -204,8 +206,11 @@ def _command(mode: str, c: SandboxConfig, uid: int, python: str, seccomp_fd: int
                 "--bounding-set=-all", "--no-new-privs", "--"]
     else:
         # The outer user namespace owns the bare network namespace; bwrap's own, inside it, maps the
-        # slot uid (the outer one maps only its root).
+        # slot uid (the outer one maps only its root). A root service that asks for this mode drops to
+        # the slot uid first: no process of the execution is root on the host, and RLIMIT_NPROC binds.
         outer = ["unshare", "--user", "--map-root-user", "--net", "--"]
+        if os.geteuid() == 0:
+            outer = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", *outer]
         who = ["--unshare-user", "--uid", str(uid), "--gid", str(uid), "--cap-drop", "ALL"]
         drop = []
     bwrap = ["bwrap", "--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try", "--hostname",
