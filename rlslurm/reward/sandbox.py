@@ -266,8 +266,10 @@ class Sandbox:
             work = Path(tempfile.mkdtemp(dir=self.root))
             (work / "main.py").write_text(program)
             env.update(HOME=str(work), TMPDIR=str(work))
-            argv = ["prlimit", f"--cpu={c.cpu_s}", f"--as={c.mem_mb << 20}", f"--fsize={c.fsize_mb << 20}",
-                    f"--nofile={c.nofile}", "--core=0", "--", self.python, "-I", "-S", "main.py"]
+            # setpriv --pdeathsig: a SIGKILLed service must not leave "sleep forever" running.
+            argv = ["setpriv", "--pdeathsig", "KILL", "--", "prlimit", f"--cpu={c.cpu_s}", f"--as={c.mem_mb << 20}",
+                    f"--fsize={c.fsize_mb << 20}", f"--nofile={c.nofile}", "--core=0", "--", self.python, "-I", "-S",
+                    "main.py"]
         else:
             fds = [_memfd("seccomp", self._seccomp), _memfd("main.py", program.encode())]
             argv = _command(self.mode, c, uid, self.python, *fds)

@@ -405,3 +405,28 @@ def test_nothing_reached_or_left_on_the_host(contained):
     assert [p.info for p in psutil.process_iter(["pid", "cmdline"]) if sleeper in (p.info["cmdline"] or [])] == []
     assert [p.info for p in psutil.process_iter(["pid", "uids", "name"])
             if p.info["uids"] and p.info["uids"].real >= CFG.uid_base] == []
+
+
+def test_without_isolation_it_refuses_unless_told_to_run_with_rlimits_only(monkeypatch):
+    """require_isolation: where no mode works (here: every probe answers why not), the sandbox refuses
+    to start and names the reason; with require_isolation false it runs programs bounded by rlimits."""
+    import rlslurm.reward.sandbox as sandbox_module
+    from rlslurm.errors import RewardServiceError
+
+    monkeypatch.setattr(sandbox_module, "_probe", lambda mode: f"{mode} switched off for this test")
+    sandbox_module.detect_mode.cache_clear()
+    try:
+        with pytest.raises(RewardServiceError, match=r"no isolation works here .*root switched off for this test.*"
+                                                     r"require_isolation = false"):
+            Sandbox(dataclasses.replace(CFG, mode="root"), slots=1)
+        sandbox = Sandbox(dataclasses.replace(CFG, mode="root", require_isolation=False), slots=1)
+        try:
+            assert sandbox.mode == "none"
+            ok = asyncio.run(sandbox.execute("print(6 * 7)"))
+            loop = asyncio.run(sandbox.execute("while True:\n    pass\n"))
+            assert (ok.status, ok.stdout) == ("ok", b"42\n")
+            assert (loop.status, loop.reason) == ("signal", "CPU limit of 1 s reached (SIGKILL)")
+        finally:
+            sandbox.close()
+    finally:
+        sandbox_module.detect_mode.cache_clear()
