@@ -13,7 +13,10 @@ where forking Python code is unsafe):
             python3 -I -S main.py
 
 Bubblewrap (Debian's `bubblewrap`, Flatpak's sandbox) builds, in a fresh mount namespace, a new root
-on an empty tmpfs and pivots into it, so the program's whole filesystem is:
+on an empty tmpfs and pivots into it. Why it and not util-linux mounts in a shell: it is the kept tool
+for exactly this (one process does every mount, the pivot, the capability drop), it takes a seccomp
+program on a file descriptor, so no launcher of ours runs inside, and it is cheaper than the shell's
+fork + exec per mount was. The program's whole filesystem is:
 
     /usr                 the host's, read-only and nosuid (the interpreter and its standard library)
     /bin /lib /lib64 ... as on the host: symlinks into /usr, or read-only binds
@@ -167,8 +170,9 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
-def _view_argv(disk_mb: int, program_fd: int) -> list[str]:
-    """bwrap's arguments for the filesystem the program sees (the module docstring draws it)."""
+@functools.cache
+def _system_dirs_argv() -> tuple[str, ...]:
+    """/usr read-only, and /bin, /lib, ... as the host has them: symlinks into /usr, or read-only binds."""
     argv = []
     for top in _SYSTEM_DIRS:
         host = f"/{top}"
@@ -176,6 +180,12 @@ def _view_argv(disk_mb: int, program_fd: int) -> list[str]:
             argv += ["--symlink", os.readlink(host), host]
         elif os.path.isdir(host):
             argv += ["--ro-bind", host, host]
+    return tuple(argv)
+
+
+def _view_argv(disk_mb: int, program_fd: int) -> list[str]:
+    """bwrap's arguments for the filesystem the program sees (the module docstring draws it)."""
+    argv = list(_system_dirs_argv())
     # bwrap makes the parents of a bind 0700: /etc must be searchable for the dropped uid's loader.
     argv += ["--perms", "0755", "--dir", "/etc", "--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache",
              "--proc", "/proc", "--dir", "/dev"]
