@@ -27,7 +27,9 @@ import rlslurm
 from rlslurm.reward.config import SandboxConfig
 from rlslurm.reward.sandbox import Sandbox, detect_mode
 
-CFG = SandboxConfig(cpu_s=1, wall_s=3.0, mem_mb=256, nproc=16, output_kb=16, disk_mb=8, fsize_mb=4)
+# wall_s leaves the slowest contained program (the scan of its whole view, ~1.4 s here) room on a loaded
+# 2-core machine; the programs that run into it cost wall_s each, two at a time.
+CFG = SandboxConfig(cpu_s=1, wall_s=5.0, mem_mb=256, nproc=16, output_kb=16, disk_mb=8, fsize_mb=4)
 MODES = ["root", "userns"]
 
 
@@ -263,7 +265,7 @@ def hostile_programs(ctx: HostContext, sandbox: Sandbox) -> dict[str, Hostile]:
                 chunks.append(bytearray(50 * 2**20))
             """, (r"failed\nmemory limit of 256 MiB",)),
         "cpu_loop": Hostile("while True:\n    pass\n", (r"signal\nCPU limit of 1 s|timeout\nwall timeout",)),
-        "sleep_forever": Hostile("import time\ntime.sleep(10**6)\n", (r"timeout\nwall timeout after 3 s",)),
+        "sleep_forever": Hostile("import time\ntime.sleep(10**6)\n", (r"timeout\nwall timeout after 5 s",)),
         "network": Hostile(f"""
             import socket
             socket.create_connection(("127.0.0.1", {ctx.tcp.getsockname()[1]}), timeout=2)
