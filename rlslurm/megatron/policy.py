@@ -63,6 +63,9 @@ def job_rules(job) -> list[tuple[str, str]]:
         if value != 1:
             rules.append((f"parallel.{key}", "must be 1 with train.backend = 'megatron': its RL policy splits over "
                                              "TP and data parallel only so far (parallel.pp = cp = ep = 1)"))
+    if job.parallel.etp not in (None, job.parallel.tp):
+        rules.append(("parallel.etp", "must be null (= parallel.tp) with train.backend = 'megatron': its RL policy "
+                                      "trains dense models only so far"))
     if job.memory.weight_bytes not in (2.0, 4.0):
         rules.append(("memory.weight_bytes", "must be 2 (bf16 weights, fp32 master copy) or 4 (fp32) with "
                                              "train.backend = 'megatron'"))
