@@ -25,7 +25,9 @@ class ParallelConfig:
     ep: int = 1
     """Expert-parallel size: ranks that split the routed experts (must divide DP)."""
     micro_batch_size: int = 1
-    """Sequences per micro-batch on one rank."""
+    """Sequences per micro-batch on one rank: one forward + backward of either RL trainer (torch and Megatron),
+    gradients accumulated up to the mini-batch's optimizer step (rl.mini_batches); the plan's activation
+    memory is that of this many sequences."""
     seq_len: int = 64
     """Training sequence length in tokens."""
     etp: int | None = None
