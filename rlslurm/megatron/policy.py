@@ -1,14 +1,16 @@
 """`train.backend = megatron`: the RL policy on Megatron-core (GPU only), beside rlslurm/rl/policy.py's torch Policy.
 
     policy = MegatronPolicy(job, topo, model_dir)      # rlslurm/rl/policy.py's make_policy picks it by train.backend
-    stats = policy.update(samples, guard)              # one clipped GRPO step; peak GPU memory in the stats
+    stats = policy.update(samples, guard)              # rl.mini_batches clipped GRPO steps; peak GPU memory in the stats
     weights = policy.weights()                         # rank 0: {HF name: fp32 tensor}, what the engines serve
 
 The same interface as the torch Policy, so the RL loop does not know which one trains:
-  - `update(samples, guard)` makes the same clipped, sequence-mean GRPO objective (`grpo_objective`,
-    tests/integration/test_megatron_policy.py holds it to the torch Policy's loss) through Megatron's
-    DDP, distributed optimizer and schedule (rlslurm/megatron/trainer.py). Every rank takes the optimizer
-    step, also one whose share is empty (a zero-weight row stands in), so no rank's weights fall behind.
+  - `update(samples, guard)` makes the same clipped, sequence-mean GRPO objective (rlslurm/rl/objective.py)
+    on the same split (rlslurm/rl/batches.py: rl.mini_batches optimizer steps, forwards of
+    parallel.micro_batch_size; tests/integration/test_megatron_policy.py holds it to the torch Policy's
+    loss) through Megatron's DDP, distributed optimizer and schedule (rlslurm/megatron/trainer.py). Every
+    rank takes every optimizer step, also one where its share is empty (a zero-weight row stands in), so
+    no rank's weights fall behind.
   - `weights()` are the HF-named tensors of convert.export_hf, gathered over TP by every rank at the end
     of `update` (the RL loop asks rank 0 alone, and export_hf is collective) and kept on rank 0's GPU as
     fp32, the dtype the engines serve (rollout server's --dtype float32) and VERIFY compares.
@@ -20,10 +22,10 @@ The model's shape is read from the checkpoint's config.json (what train.init_fro
 wrote), with its RMSNorm epsilon; precision, recompute and the distributed optimizer follow `memory:`,
 so the plan's memory prediction describes the trainer that runs (bench/gpu_smoke.py compares them).
 
-What runs where: the CUDA check (`require_cuda`), the config rules (`job_rules`), the sample packing
-and the objective are plain torch and are tested on CPU; the model's log-probabilities through
-`token_logprobs` run on CPU too (Megatron's model has CPU shims). DDP, the optimizer and the schedule
-are CUDA-only: `update` has run on no GPU yet (docs/gpu.md).
+What runs where: the CUDA check (`require_cuda`), the config rules (`job_rules`), the split (`prepare`),
+the forward step and the objective are plain torch and are tested on CPU; the model's log-probabilities
+through `token_logprobs` run on CPU too (Megatron's model has CPU shims). DDP, the optimizer and the
+schedule are CUDA-only: `update` has run on no GPU yet (docs/gpu.md).
 """
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ def _choice(plan: Plan) -> list[str]:
     """Which option the plan chose and by how much it beats the next, or why a faster one is not it."""
     job, o = plan.job, plan.option
     total = o.step.total_s
-    verb = "the fastest the job can run" if o.runnable else "refused by the pre-flight below"
+    verb = "the fastest allowed option the job can run" if o.runnable else "refused by the pre-flight below"
     lines = [f"chosen: {o.where}, {o.split.train_gpus} training GPUs: {num(total)} s/step, {verb} "
              f"(placement.mode = {job.placement.mode}, sync.method = {job.sync.method})"]
     runner_up, faster = plan.alternatives()
@@ -81,9 +81,11 @@ def _choice(plan: Plan) -> list[str]:
         lines.append(f"  next: {runner_up.where}: {num(runner_up.step.total_s)} s/step "
                      f"({'+' if d >= 0 else '-'}{num(abs(d))} s, {100 * d / total:+.1f} %)")
     if faster is not None:
+        excluded = plan.excluded_by(faster)
+        status = f"excluded by {excluded}" if excluded else faster.status
         why = "; ".join(faster.reasons) or f"{faster.split.memory.headroom_pct.value:.1f} % headroom"
-        lines.append(f"  faster but {faster.status}: {faster.where}: {num(faster.step.total_s)} s/step "
-                     f"(-{num(total - faster.step.total_s)} s): {why}")
+        lines.append(f"  faster but {status}: {faster.where}: {num(faster.step.total_s)} s/step "
+                     f"(-{num(total - faster.step.total_s)} s)" + (f": {why}" if not faster.advised else ""))
     return lines
 
 
@@ -130,7 +132,8 @@ def _sections(plan: Plan, problems: list[str], explain: bool) -> list[Any]:
             for rule in s.broken:
                 lines.append(f"  {s.train_gpus} training GPUs: {rule.message}")
     colo = plan.colocate
-    fits = "fits" if colo.fits_without_offload else "does not fit: needs time-sharing + offload"
+    fits = ("fits without offload" if colo.fits_without_offload else
+            "does not fit: needs offload of the training state, which the runtime does not do yet")
     lines += ["", f"colocate (all {hw.total_gpus} GPUs train, rollout time-shares them): engine needs "
                   f"{colo.engine_need_gb.text()}, training peak leaves {colo.free_gb.text()} -> {fits}",
               f"  offload {colo.offload_each_way_s.text()} each way, {colo.offload_per_step_s.text()} per step; "

@@ -6,6 +6,9 @@
 
 "What can be computed must not be guessed": memory per split, divisibility, colocate vs. separate,
 rollout capacity and decode roofline, weight-sync time per method, step split, checkpoint interval.
+The choice is the step time's: among the options the config leaves open (placement.mode, rollout_nodes,
+sync.method; `auto` leaves all) and the job can run (rlslurm/plan/options.py), the fastest; the job runs
+exactly that (rlslurm/layout.py).
 """
 
 from __future__ import annotations
@@ -87,14 +90,26 @@ class Plan:
         return [o.step for o in self.options if o.split is self.chosen or o.placement == "colocate"]
 
     def alternatives(self) -> tuple[Option | None, Option | None]:
-        """(the fastest other option the plan could have chosen, the fastest faster one it may not choose)."""
-        chosen = self.option
-        others = [o for o in self.options if o is not chosen]
-        runnable = [o for o in others if o.advised]
-        faster = [o for o in others if not o.advised and o.step.total_s < chosen.step.total_s
-                  and o.split.verdict != "OOM"]
-        pick = (lambda xs: min(xs, key=lambda o: o.step.total_s) if xs else None)
-        return pick(runnable), pick(faster)
+        """(the fastest other option the config allows and the job can run, the fastest option faster than the
+        chosen one that the plan could not choose: not runnable, not advised, or excluded by the config)."""
+        chosen, allowed = self.option, _allowed_options(self.job, self.options)
+        others = [o for o in allowed if o is not chosen and o.runnable]
+        faster = [o for o in self.options if o is not chosen and o.step.total_s < chosen.step.total_s
+                  and o.split.verdict != "OOM" and not (o.advised and o in allowed)]
+        # The advised first (what the plan would take next), and among faster ones those that could run.
+        first = (lambda xs: min(xs, key=lambda o: (not o.runnable, not o.advised, o.step.total_s)) if xs else None)
+        return first(others), first(faster)
+
+    def excluded_by(self, o: Option) -> str | None:
+        """The config setting that keeps option `o` out of the choice (None: the config allows it)."""
+        if o in _allowed_options(self.job, self.options):
+            return None
+        placements, methods = _allowed(self.job)
+        if o.method not in methods:
+            return f"sync.method = {self.job.sync.method!r}"
+        if o.placement not in placements:
+            return f"placement.mode = {self.job.placement.mode!r}"
+        return f"placement.rollout_nodes = {self.job.placement.rollout_nodes}"
 
 
 TIE = 0.01
@@ -108,18 +123,23 @@ def _allowed(job: JobConfig) -> tuple[tuple[Placement, ...], tuple[SyncMethod, .
     return (PLACEMENTS if pl.mode == "auto" else (pl.mode,)), (METHODS if sm.method == "auto" else (sm.method,))
 
 
-def _choose(job: JobConfig, options: list[Option], fallback) -> Option:
-    """The fastest option the job can run among those the config allows (placement.mode, rollout_nodes,
-    sync.method); a split whose headroom is `not advised` only when no other one runs. When none runs, the
-    option with the fewest blockers: its pre-flight names them."""
+def _allowed_options(job: JobConfig, options: list[Option]) -> list[Option]:
+    """The options the config leaves open: placement.mode, placement.rollout_nodes, sync.method."""
     placements, methods = _allowed(job)
     nodes = job.placement.rollout_nodes or None
     if nodes and job.placement.mode != "colocate":
         placements = ("separate",)
-    allowed = [o for o in options if o.placement in placements and o.method in methods
-               and (o.placement == "colocate" or not nodes or o.split.rollout_nodes == nodes)]
+    return [o for o in options if o.placement in placements and o.method in methods
+            and (o.placement == "colocate" or not nodes or o.split.rollout_nodes == nodes)]
+
+
+def _choose(job: JobConfig, options: list[Option], fallback) -> Option:
+    """The fastest option the job can run among those the config allows (placement.mode, rollout_nodes,
+    sync.method); a split whose headroom is `not advised` only when no other one runs. When none runs, the
+    option with the fewest blockers: its pre-flight names them."""
+    allowed = _allowed_options(job, options)
     if not allowed:  # placement.mode: separate on one node: nothing can leave training
-        allowed = [fallback(method) for method in methods]
+        allowed = [fallback(method) for method in _allowed(job)[1]]
     advised = [o for o in allowed if o.advised] or [o for o in allowed if o.runnable]
     if advised:
         fastest = min(o.step.total_s for o in advised)

@@ -1,7 +1,7 @@
 """The trained policy on every trainer rank: one interface, two backends.
 
     policy = make_policy(job, topo, model_dir)     # train.backend: torch (Policy here) or megatron
-    stats = policy.update(samples, guard, step_total=len(all_samples))
+    stats = policy.update(samples, guard, step_total=len(all_samples))   # rl.mini_batches optimizer steps
     weights = policy.weights()                      # {HF name: tensor}: what the engines serve
 
 `RLPolicy` is the contract the RL loop and its checkpoints use, and nothing else: `Policy` (DDP on
@@ -47,8 +47,10 @@ class RLPolicy(abc.ABC):
 
     @abc.abstractmethod
     def update(self, samples: list[Sample], guard: PhaseGuard, *, step_total: int | None = None) -> dict:
-        """One clipped GRPO step on this rank's share `samples`; `step_total` is the step's sample count
-        over all ranks (0: no rank trains, every rank skips). Returns the step's stats (loss, tokens, ...)."""
+        """One RL step's clipped GRPO update on this rank's share `samples` (`samples[rank::world]` of the
+        step's): rl.mini_batches optimizer steps of parallel.micro_batch_size forwards (rlslurm/rl/batches.py);
+        `step_total` is the step's sample count over all ranks (0: no rank trains, every rank skips).
+        Returns the step's stats (loss, tokens, mini_batches, ...)."""
 
 
 class Policy(RLPolicy):

@@ -69,7 +69,7 @@ def test_colocation_that_fits_and_is_faster_is_chosen_with_both_step_times(tmp_p
     assert code == 0, out
     assert re.search(r"colocate +0 +ipc .* 2\.02 .* ok  <- chosen", out), out
     assert re.search(r"separate +1 +broadcast .* 3\.11 .* ok", out), out
-    assert "chosen: colocate, ipc sync, 16 training GPUs: 2.02 s/step, the fastest the job can run" in out
+    assert "chosen: colocate, ipc sync, 16 training GPUs: 2.02 s/step, the fastest allowed option the job can run" in out
     assert "next: separate, 1 rollout node(s), broadcast sync: 3.11 s/step (+1.09 s, +53.7 %)" in out
     data = json.loads(render_json(plan))
     assert data["chosen"]["step_s"] == pytest.approx(2.02, abs=0.005)
@@ -176,7 +176,16 @@ def test_recompute_moves_memory_and_step_time_as_question_1b_reasons(recompute_p
     assert 0.15 < 1 - selective.train_step.value / full.train_step.value < 0.25
     # none: fastest, and its attention scores of 4096 x 4096 per head no longer fit.
     assert none.train_step.value < selective.train_step.value and none.verdict == "OOM"
-    explain = render_text(recompute_plans["selective"], explain=True)
+    # With fused CE and selective recompute every GPU's peak leaves the engine room: colocation runs without
+    # offload and is faster (357.7 s against 384.9 s); the config pins separate, and the plan says so.
+    plan = recompute_plans["selective"]
+    _, faster = plan.alternatives()
+    assert (faster.placement, faster.method, faster.runnable) == ("colocate", "ipc", True)
+    assert plan.excluded_by(faster) == "placement.mode = 'separate'"
+    assert faster.step.total_s == pytest.approx(357.7, abs=0.05) and plan.option.step.total_s == pytest.approx(
+        384.9, abs=0.05)
+    explain = render_text(plan, explain=True)
+    assert "faster but excluded by placement.mode = 'separate': colocate, ipc sync: 357.7 s/step" in explain
     assert "recompute full = 1 + 40 layers' forward" in explain
     assert "train step = timing.train_step_s 120 s x 40 GPUs / 32 GPUs x recompute selective 1.062 / recompute " \
            "full 1.305" in explain
