@@ -113,19 +113,27 @@ def _topology():
     return Topology(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=0)
 
 
-def _logprobs_worker(rank: int, port: int, model_dir: str, out: str):
+def _cpu_gpt(port: int, model_dir: str):
+    """In a spawned process: a world of one over gloo, and Megatron's GPTModel on CPU loaded from model_dir."""
     os.environ["HF_HUB_OFFLINE"] = "1"
     torch.set_num_threads(1)
     from rlslurm.dist import Topology, init_process_group
     from rlslurm.megatron.convert import Layout, SafetensorsDir, load_hf_into
     from rlslurm.megatron.model import build_gpt_model, init_parallel
-    from rlslurm.megatron.policy import hf_model_spec, token_logprobs
+    from rlslurm.megatron.policy import hf_model_spec
 
     init_process_group(Topology(0, 1, 0, "127.0.0.1", port), timeout_s=60)
     spec, eps = hf_model_spec(model_dir)
     init_parallel(Layout(), seed=1)
     gpt = build_gpt_model(spec, Layout(), parallel_output=True, layernorm_epsilon=eps)
     load_hf_into(gpt, SafetensorsDir(model_dir), spec, Layout())
+    return gpt
+
+
+def _logprobs_worker(rank: int, port: int, model_dir: str, out: str):
+    from rlslurm.megatron.policy import token_logprobs
+
+    gpt = _cpu_gpt(port, model_dir)
     batch = pack(_samples(), PAD_ID)
     with torch.no_grad():
         torch.save(token_logprobs(gpt.eval(), batch.tokens, batch.labels), out)
@@ -161,19 +169,9 @@ def _split_job(**train) -> JobConfig:
 def _split_loss_worker(rank: int, port: int, model_dir: str, out: str):
     """Megatron's side of the update on CPU: its split (`prepare`) and its schedule's forward_step and loss
     function per micro-batch, summed as the schedule reports them; no optimizer (Megatron's needs CUDA)."""
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    torch.set_num_threads(1)
-    from rlslurm.dist import Topology, init_process_group
-    from rlslurm.megatron.convert import Layout, SafetensorsDir, load_hf_into
-    from rlslurm.megatron.model import build_gpt_model, init_parallel
-    from rlslurm.megatron.policy import _forward_step, hf_model_spec, prepare, token_logprobs
+    from rlslurm.megatron.policy import _forward_step, prepare, token_logprobs
 
-    init_process_group(Topology(0, 1, 0, "127.0.0.1", port), timeout_s=60)
-    spec, eps = hf_model_spec(model_dir)
-    init_parallel(Layout(), seed=1)
-    gpt = build_gpt_model(spec, Layout(), parallel_output=True, layernorm_epsilon=eps)
-    load_hf_into(gpt, SafetensorsDir(model_dir), spec, Layout())
-    gpt.eval()
+    gpt = _cpu_gpt(port, model_dir).eval()
     job, found = _split_job(), {}
     for stale in (False, True):
         samples = _samples(stale)
