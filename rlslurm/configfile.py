@@ -52,11 +52,11 @@ def span(lo: float, hi: float, low_open: bool = False) -> str:
 
 
 def _bound(value: float) -> str:
-    if float(value).is_integer() and abs(value) < 1e7:
+    """0.001, 64, 86400, 4294967295 as written; powers of ten from 1e7 up as 1e8."""
+    if abs(value) >= 1e7 and math.log10(abs(value)).is_integer():
+        return f"{'-' if value < 0 else ''}1e{int(math.log10(abs(value)))}"
+    if float(value).is_integer():
         return str(int(value))
-    exponent = math.log10(abs(value)) if value else 0.0
-    if exponent.is_integer():
-        return f"{'-' if value < 0 else ''}1e{int(exponent)}"
     return f"{value:g}"
 
 

@@ -127,12 +127,12 @@ class _Loader(Composer, _Parser, SafeConstructor, Resolver):
             self._open_anchors.add(event.anchor)
         try:
             node = super().compose_node(parent, index)
+            self._account(node)  # while its own key is still on the path
         finally:
             self._depth -= 1
             if step is not None:
                 self._path.pop()
             self._open_anchors.discard(event.anchor)
-        self._account(node)
         return node
 
     def _step(self, parent: Node | None, index: Any) -> str | None:

@@ -154,9 +154,7 @@ class RewardConfig:
         if self.scorer in ("model", "judge"):
             check(bool(self.endpoint), "endpoint", f"is required when reward.scorer = {self.scorer!r}")
         if self.format_regex is not None:
-            import re
-
             try:
                 re.compile(self.format_regex)
-            except re.error as e:
-                check(False, "format_regex", f"is not a valid regular expression ({e})")
+            except (re.error, RecursionError, OverflowError) as e:  # sre_parse recurses once per nested group
+                check(False, "format_regex", f"is not a valid regular expression ({type(e).__name__}: {e})")
