@@ -37,17 +37,21 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
-import safetensors.torch
-import torch
 
 from rlslurm import events
 from rlslurm.configfile import check_range
 from rlslurm.errors import CheckpointError
 from rlslurm.plan.checkpoint_interval import checkpoint_interval
 from rlslurm.rundir import RunDir
+
+if TYPE_CHECKING:
+    import torch
+
+# torch and safetensors are imported where tensors are written or read: CheckpointConfig is part of every job
+# config, and `rlslurm validate` / `plan` must not wait ~3 s for torch to load.
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -165,12 +169,16 @@ class CheckpointWriter:
     def save_tensors(self, name: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
         """Tensors (model weights under their Hugging Face names) as `<name>.safetensors`."""
         filename, path = self._path(name, ".safetensors")
+        import safetensors.torch
+
         flat = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
         safetensors.torch.save_file(flat, str(path), metadata=metadata)
         self._add(filename, path)
 
     def save_state(self, name: str, obj: Any) -> None:
         """Any picklable state (optimizer state dict, RNG states, RL buffers) as `<name>.pt` via torch.save."""
+        import torch
+
         filename, path = self._path(name, ".pt")
         with open(path, "wb") as f:
             torch.save(obj, f)
@@ -228,6 +236,8 @@ def write_rank_state(directory: Path, name: str, obj: Any) -> str:
     file name for rank 0's `CheckpointWriter.add_written`."""
     if not _NAME.match(name) or name == "manifest":
         raise CheckpointError(f"checkpoint file name {name!r} must match {_NAME.pattern} and not be 'manifest'")
+    import torch
+
     path = Path(directory) / f"{name}.pt"
     with open(path, "wb") as f:
         torch.save(obj, f)
@@ -268,12 +278,16 @@ class Checkpoint:
         return self.path / filename
 
     def load_tensors(self, name: str) -> dict[str, torch.Tensor]:
+        import safetensors.torch
+
         return safetensors.torch.load_file(str(self._file(name + ".safetensors")))
 
     def has_state(self, name: str) -> bool:
         return f"{name}.pt" in self.manifest["files"]
 
     def load_state(self, name: str) -> Any:
+        import torch
+
         # Our own file, checked against the manifest's sha256: full unpickling (numpy RNG state) is safe here.
         return torch.load(self._file(name + ".pt"), weights_only=False)
 
