@@ -8,7 +8,9 @@ alone, whose trainer rank 0 spawns the engines on its own node. With no SLURM (o
 local`) the same entry function runs through submitit's local executor on this machine.
 
 Every start of the job finds its way from the run directory alone (RLSLURM_RUN_DIR): the resolved
-config, the plan, and the checkpoints it resumes from.
+config, the plan, and the checkpoints it resumes from. `dry_run` (`rlslurm submit --dry-run`) validates and
+pre-flights the same way, then shows the run directory, the layout and the sbatch script or local launch it
+would use, and creates and submits nothing.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@
     value = read_text("[1, 2]", "--set x")  # the same rules for a value given on the command line
 
 A job config is a few kilobytes, a handful of levels deep, with no need for aliases. The reader is PyYAML's
-SafeLoader (pure Python, so its hooks see every node) with limits added where PyYAML has none: its composer
+safe loader (libyaml's events, composed and constructed in Python, so its hooks see every node) with limits
+added where PyYAML has none: its composer
 recurses once per level (a file of 5,000 `[` ended in RecursionError), it shares an aliased node instead of
 copying it, so an alias bomb is cheap to load but explodes in whatever walks it (an error message that
 quoted the value ran for minutes), and a repeated key silently replaced the first one (a second `rl:`
@@ -21,8 +22,8 @@ from typing import Any
 import yaml
 from yaml.composer import Composer, ComposerError
 from yaml.constructor import ConstructorError, SafeConstructor
-from yaml.reader import ReaderError
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
+from yaml.reader import ReaderError
 from yaml.resolver import Resolver
 
 from rlslurm.errors import ConfigError
@@ -74,16 +75,16 @@ def clip(text: str, limit: int = 240) -> str:
 
 try:  # libyaml's event parser (PyYAML's wheels ship it) is ~20x faster; composing stays in Python, with the limits
     from yaml._yaml import CParser as _Parser
-except ImportError:  # pragma: no cover - a PyYAML built without libyaml
-    from yaml.parser import Parser as _Parser
+except ImportError:  # pragma: no cover - a PyYAML built without libyaml: the same events, in Python
+    from yaml.parser import Parser
     from yaml.reader import Reader
     from yaml.scanner import Scanner
 
-    class _Parser(Reader, Scanner, _Parser):  # type: ignore[no-redef]
+    class _Parser(Reader, Scanner, Parser):  # type: ignore[no-redef]
         def __init__(self, stream: str):
             Reader.__init__(self, stream)
             Scanner.__init__(self)
-            super(Scanner, self).__init__()
+            Parser.__init__(self)
 
 
 class _Loader(Composer, _Parser, SafeConstructor, Resolver):
