@@ -215,6 +215,23 @@ class HetSlurmExecutor(submitit_slurm.SlurmExecutor):
         return parse.sbatch_parsable(string.decode() if isinstance(string, bytes) else string).job_id
 
 
+class ScriptRenderer(HetSlurmExecutor):
+    """The executor of a submission that is only shown (`rlslurm submit --dry-run`): same script, no sbatch,
+    and it renders where srun is missing too (a login node or laptop without SLURM)."""
+
+    @classmethod
+    def affinity(cls) -> int:
+        return 1
+
+    def _submit_command(self, command: str) -> core.Job[tp.Any]:
+        raise RlslurmError("a dry run submits nothing")
+
+
+def submission_script(executor: HetSlurmExecutor) -> str:
+    """The sbatch script `executor.submit` would hand to sbatch (its submitit command included)."""
+    return executor._make_submission_file_text(executor._submitit_command_str, "dry-run")
+
+
 @dataclass(frozen=True)
 class ComponentInfo:
     """One component as the batch shell sees it."""
