@@ -32,9 +32,10 @@ import yaml
 
 from rlslurm.diag import summary as summ
 from rlslurm.diag.env_diff import compare, read_fingerprints
-from rlslurm.diag.heartbeat import pid_alive, read_heartbeats, table, this_host
+from rlslurm.diag.heartbeat import pid_alive, read_heartbeats, table
 from rlslurm.diag.stack_dump import dump_stack, py_spy_binary
 from rlslurm.errors import RlslurmError, RunDirError
+from rlslurm.node import node_name
 from rlslurm.rundir import RunDir, read_jsonl
 
 REDACTED = "<redacted>"
@@ -207,7 +208,7 @@ def live_dumps(beats: list[dict], job_id: str | None, native: bool = True) -> di
         if hb.get("state") != "running":
             continue
         name = hb["file"][:-5]
-        if hb.get("host") == this_host():
+        if hb.get("host") == node_name():
             if pid_alive(hb):
                 d = dump_stack(int(hb["pid"]), native=native, timeout_s=20)
                 out[name] = f"# live dump of pid {hb['pid']} by {d.method}, process {d.state}\n{d.text}"

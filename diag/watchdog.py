@@ -54,9 +54,10 @@ from typing import Callable
 import psutil
 
 from rlslurm.diag.config import DiagConfig
-from rlslurm.diag.heartbeat import label, pid_alive, read_heartbeats, this_host
+from rlslurm.diag.heartbeat import label, pid_alive, read_heartbeats
 from rlslurm.diag.stack_dump import StackDump, collective_in, dump_stack, top_frame
 from rlslurm.events import emit
+from rlslurm.node import node_name
 from rlslurm.rundir import RunDir
 
 log = logging.getLogger("rlslurm.watchdog")
@@ -142,7 +143,7 @@ class Watchdog:
                  kill: Callable[[int, int], None] = os.kill, dump: Callable[..., StackDump] = dump_stack,
                  job_id: str | None = None, parent_pid: int | None = None):
         self.run, self.config = run, config
-        self.host = host or this_host()
+        self.host = host or node_name()
         self.clock, self.requeue, self.kill, self.dump = clock, requeue, kill, dump
         self.job_id = job_id
         self.parent_pid = parent_pid

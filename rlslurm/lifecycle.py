@@ -27,13 +27,13 @@ the measured cost C (x margin) fits in what is left of KillWait; otherwise the p
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Callable, Mapping
 
 from rlslurm import events
 from rlslurm.errors import SlurmCommandError
+from rlslurm.node import node_name
 from rlslurm.rundir import RunDir, read_jsonl
 
 
@@ -101,7 +101,7 @@ def on_start(run: RunDir, restart_count: int, *, step: int, checkpoint: str | No
         if record.get("step") != step:
             break
         fruitless += 1
-    run.record_start(job_id=leader_job_id(e), restart_count=restart_count, host=socket.gethostname(),
+    run.record_start(job_id=leader_job_id(e), restart_count=restart_count, host=node_name(),
                      pid=os.getpid(), step=step, checkpoint=checkpoint)
     if fruitless >= max_no_progress_restarts:
         events.emit(run, "no_progress", step=step, checkpoint=checkpoint, restart_count=restart_count,
