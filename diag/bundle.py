@@ -4,11 +4,11 @@
     print(bundle.summary)                                           # names the most likely cause
 
 Contents (under diag-<run>-<stamp>/): summary.txt/.json; slurm/ (scontrol show job, sacct or sacct -c);
-run/ (config.yaml, plan.json, jobs.jsonl, submissions.jsonl, events.jsonl, metrics tail, rendered sbatch
-scripts); heartbeats.txt + heartbeats/; env/ fingerprints + env-diff.txt; stacks/ (dumps of hangs,
-faulthandler files, and a live py-spy dump of every process still running: on this host directly, on a
-running job's nodes through `srun --overlap` into the job); logs/ (the tail
-of each log); checkpoints.txt.
+run/ (config.yaml, plan.json, jobs.jsonl, submissions.jsonl, placement.jsonl, events.jsonl, metrics tail,
+rendered sbatch scripts); heartbeats.txt + heartbeats/; env/ fingerprints + env-diff.txt; stacks/ (dumps
+of hangs, faulthandler files, and a live py-spy dump of every process still running: on this host
+directly, on a running job's nodes through `srun --overlap` into the job); logs/ (the tail of each log);
+checkpoints.txt.
 
 Redaction, everywhere, before anything is written: values of keys whose name contains TOKEN, KEY,
 SECRET, PASSWORD (any case) in config, env and JSON; `NAME=value` / `name: value` with such names in
@@ -34,9 +34,9 @@ from rlslurm.diag import summary as summ
 from rlslurm.diag.env_diff import compare, read_fingerprints
 from rlslurm.diag.heartbeat import pid_alive, read_heartbeats, table
 from rlslurm.diag.stack_dump import dump_stack, py_spy_binary
-from rlslurm.errors import RlslurmError, RunDirError
+from rlslurm.errors import RlslurmError
 from rlslurm.node import node_name
-from rlslurm.rundir import RunDir, read_jsonl
+from rlslurm.rundir import RunDir, find_run, read_jsonl
 
 REDACTED = "<redacted>"
 _SECRET_NAME = re.compile(r"token|key|secret|passw(or)?d|credential", re.IGNORECASE)
@@ -108,36 +108,6 @@ class Bundle:
     path: Path
     summary: str
     causes: list[summ.Cause]
-
-
-# Where a run records its SLURM job id: every start (jobs.jsonl), and `rlslurm submit` before any start
-# (submissions.jsonl), so a job that never ran a step is found too.
-_JOB_RECORDS = ("jobs.jsonl", "submissions.jsonl")
-
-
-def find_run(target: str, run_root: Path | None = None) -> tuple[RunDir, str | None]:
-    """A run directory from a path, or from a SLURM job id recorded in <run_root>/*/{jobs,submissions}.jsonl."""
-    path = Path(target)
-    if path.is_dir():
-        run = RunDir(path)
-        records = [r for name in _JOB_RECORDS for r in read_jsonl(run.path / name)]
-        return run, next((str(_job_id(s)) for s in reversed(records) if _job_id(s)), None)
-    roots = [run_root] if run_root else [Path("runs"), Path(".")]
-    for root in roots:
-        for name in _JOB_RECORDS:
-            for records in sorted(Path(root).glob(f"*/{name}")):
-                if any(str(target) in _job_ids(rec) for rec in read_jsonl(records)):
-                    return RunDir(records.parent), str(target)
-    raise RunDirError(f"{target!r} is neither a run directory nor a job id recorded in "
-                      f"{', '.join(str(r) for r in roots)}/*/{{{','.join(_JOB_RECORDS)}}} (pass --run-root)")
-
-
-def _job_ids(rec: dict) -> set[str]:
-    return {str(v) for k, v in rec.items() if "job" in k and v is not None}
-
-
-def _job_id(rec: dict):
-    return rec.get("job_id") or rec.get("slurm_job_id") or next(iter(_job_ids(rec)), None)
 
 
 def slurm_facts(job_id: str | None) -> tuple[dict[str, str], str | None]:
@@ -255,9 +225,7 @@ def _srun_dump(job_id: str, node: str, group: int | None, pid: int, native: bool
 def collect(target: str | Path, *, run_root: Path | None = None, out_dir: Path | None = None,
             live: bool = True, slurm: bool = True, log_tail_lines: int = 200, native: bool = True) -> Bundle:
     """Collect, redact and summarise one run into <out_dir>/diag-<run>-<stamp>.tar.gz."""
-    run, job_id = find_run(str(target), run_root)
-    if not run.path.is_dir():
-        raise RunDirError(f"{run.path}: no such run directory")
+    run, job_id = find_run(target, run_root)
     stamp = time.strftime("%Y%m%dT%H%M%S")
     top = f"diag-{run.path.name.replace(' ', '_')}-{stamp}"
     files: dict[str, str] = {}
@@ -278,7 +246,7 @@ def collect(target: str | Path, *, run_root: Path | None = None, out_dir: Path |
     files.update({f"slurm/{k}": v for k, v in slurm_texts.items()})
     if config is not None:
         files["run/config.yaml"] = yaml.safe_dump(red.structure(config), sort_keys=False)
-    for p in (run.plan, run.jobs, run.events, run.path / "submissions.jsonl"):
+    for p in (run.plan, run.jobs, run.events, run.path / "submissions.jsonl", run.path / "placement.jsonl"):
         if p.is_file():
             files[f"run/{p.name}"] = p.read_text(errors="replace")
     if run.metrics.is_file():

@@ -30,7 +30,7 @@ from rlslurm import events
 from rlslurm.config import JobConfig
 from rlslurm.configfile import to_dict
 from rlslurm.errors import JobFailedError, PreflightError, RlslurmError, SlurmCommandError
-from rlslurm.rundir import ENV_VAR, RunDir, read_jsonl
+from rlslurm.rundir import ENV_VAR, RunDir, find_run, read_jsonl
 
 log = logging.getLogger("rlslurm.launch")
 
@@ -153,7 +153,7 @@ def resume(target: str, *, overrides: tuple[str, ...] = (), force: bool = False,
     and pre-flighted like a new submission. Refused while a job of the run still shows signs of life."""
     from rlslurm.config import load_config
     from rlslurm.plan.report import render_json
-    from rlslurm.status import find_run, slurm_components
+    from rlslurm.status import slurm_components
 
     run, previous = find_run(target, run_root)
     job = load_config(run.config, overrides)

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import yaml
 
-from rlslurm.errors import RunDirError, SlurmCommandError, SlurmParseError
+from rlslurm.errors import SlurmCommandError, SlurmParseError
 from rlslurm.progress import Progress
-from rlslurm.rundir import RunDir, read_jsonl
+from rlslurm.rundir import RunDir, find_run, read_jsonl
 
 
 @dataclass
@@ -33,31 +33,6 @@ class Status:
     last_events: list[dict] = field(default_factory=list)
     slurm_error: str | None = None
     progress: str | None = None
-
-
-def find_run(target: str, run_root: str | Path | None = None) -> tuple[RunDir, str | None]:
-    """A run directory from a path, or from a job id recorded by submit (submissions.jsonl) or by a start
-    (jobs.jsonl) under run_root; returns the run and its newest job id."""
-    path = Path(target)
-    if path.is_dir() and (path / "config.yaml").is_file():
-        run = RunDir(path)
-        return run, _newest_job_id(run)
-    roots = [Path(run_root)] if run_root else [Path("runs"), Path(".")]
-    for root in roots:
-        for candidate in sorted(root.glob("*/config.yaml"), reverse=True):
-            run = RunDir(candidate.parent)
-            ids = {str(r.get("job_id")) for r in read_jsonl(run.path / "submissions.jsonl") + read_jsonl(run.jobs)}
-            if str(target) in ids:
-                return run, str(target)
-    raise RunDirError(f"{target!r} is neither a run directory nor a job id recorded under "
-                      f"{', '.join(str(r) for r in roots)} (pass --run-root DIR)")
-
-
-def _newest_job_id(run: RunDir) -> str | None:
-    for record in reversed(read_jsonl(run.path / "submissions.jsonl")):
-        if record.get("job_id"):
-            return str(record["job_id"])
-    return None
 
 
 def _backend(run: RunDir) -> str | None:
