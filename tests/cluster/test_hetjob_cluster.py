@@ -17,25 +17,12 @@ import pytest
 
 from rlslurm.slurm import commands, hetjob
 from rlslurm.slurm.hetjob import Component, HetSlurmExecutor, render_template
+from waiting import wait_for
 
 pytestmark = pytest.mark.cluster
 
 # The job's python cannot import this test module: ship its functions by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
-
-def wait_for(what: str, cond, timeout_s: float, on_poll=None, poll_s: float = 0.1):
-    """Poll `cond` until true, at most timeout_s; `on_poll` runs each second (e.g. a scheduler kick)."""
-    start = time.monotonic()
-    last_hook = start
-    while time.monotonic() - start < timeout_s:
-        if cond():
-            return time.monotonic() - start
-        if on_poll and time.monotonic() - last_hook >= 1.0:
-            on_poll()
-            last_hook = time.monotonic()
-        time.sleep(poll_s)
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
 def record_components(out_dir: str) -> hetjob.HetContext:
@@ -64,7 +51,9 @@ def test_het_components_land_on_their_partitions(slurm_cluster, tmp_path):
                          additional_parameters={"requeue": True})
     t0 = time.monotonic()
     job = ex.submit(record_components, str(out))
-    first_s = wait_for("component 0 to start", lambda: (out / "g0-r0").exists(), 60)
+    submitted = time.monotonic()
+    wait_for("component 0 to start", lambda: (out / "g0-r0").exists(), 60)
+    first_s = time.monotonic() - submitted
     wait_for("components 1 and 2", lambda: len(list(out.glob("g[12]-r*"))) == 3, 60)
 
     records = commands.show_job(job.job_id)
