@@ -22,6 +22,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import shlex
 import tarfile
 import time
 from dataclasses import dataclass
@@ -34,9 +35,10 @@ from rlslurm.diag import summary as summ
 from rlslurm.diag.env_diff import compare, read_fingerprints
 from rlslurm.diag.heartbeat import pid_alive, read_heartbeats, table
 from rlslurm.diag.stack_dump import dump_stack, py_spy_binary
-from rlslurm.errors import RlslurmError
+from rlslurm.errors import RlslurmError, SlurmParseError
 from rlslurm.node import node_name
 from rlslurm.rundir import RunDir, find_run, read_jsonl
+from rlslurm.slurm import commands, parse
 
 REDACTED = "<redacted>"
 _SECRET_NAME = re.compile(r"token|key|secret|passw(or)?d|credential", re.IGNORECASE)
@@ -111,37 +113,29 @@ class Bundle:
 
 
 def slurm_facts(job_id: str | None) -> tuple[dict[str, str], str | None]:
-    """Texts of scontrol show job and sacct (or sacct -c), and the job's state; tolerant of no SLURM."""
+    """SLURM's reports on the job as it printed them (commands.JOB_REPORTS: scontrol show job, sacct,
+    sacct -c), and the job's state from the first that answered; tolerant of no SLURM."""
     if not job_id:
         return {"slurm.txt": "no SLURM job id recorded for this run (a local run)\n"}, None
-    try:
-        from rlslurm.slurm import commands
-    except ImportError as e:
-        return {"slurm.txt": f"SLURM commands unavailable here: {e}\n"}, None
-    run_slurm = getattr(commands, "run_slurm", None) or commands.run  # the one seam for SLURM commands
     texts, state = {}, None
-    fmt = "--format=JobID,JobName,Partition,State,ExitCode,Elapsed,NodeList,Start,End"
-    for name, argv in (("scontrol-show-job.txt", ["scontrol", "show", "job", job_id]),
-                       ("sacct.txt", ["sacct", "-j", job_id, "--parsable2", fmt]),
-                       ("sacct-c.txt", ["sacct", "-c", "-j", job_id, "--parsable2", fmt])):
+    for kind in commands.JOB_REPORTS:
         try:
-            done = run_slurm(argv, timeout_s=30, check=False)
-            texts[name] = f"$ {' '.join(argv)}\n# exit {done.returncode}\n{done.stdout}{done.stderr}"
-            if done.returncode == 0 and state is None:
-                state = _state_of(name, done.stdout)
-        except (RlslurmError, OSError) as e:
-            texts[name] = f"$ {' '.join(argv)}\nfailed: {e}\n"
+            done = commands.job_report(kind, job_id)
+        except (RlslurmError, OSError) as e:  # not installed, no answer
+            texts[f"{kind}.txt"] = f"failed: {e}\n"
+            continue
+        texts[f"{kind}.txt"] = f"$ {shlex.join(done.argv)}\n# exit {done.returncode}\n{done.stdout}{done.stderr}"
+        if done.returncode == 0 and state is None:
+            state = _state_of(kind, done.stdout)
     return texts, state
 
 
 def _state_of(name: str, out: str) -> str | None:
-    if name.startswith("scontrol"):
-        m = re.search(r"JobState=(\w+)", out)
-        return m.group(1) if m else None
-    rows = [r.split("|") for r in out.strip().splitlines()]
-    if len(rows) >= 2 and "State" in rows[0]:
-        return rows[1][rows[0].index("State")].split()[0]
-    return None
+    """The job state in one report's stdout (`name` starts with its kind); None where it says none."""
+    try:
+        return parse.job_state(parse.scontrol_show(out) if name.startswith("scontrol") else parse.parsable2(out))
+    except SlurmParseError:
+        return None
 
 
 def _tail(path: Path, lines: int) -> str:
@@ -189,8 +183,6 @@ def live_dumps(beats: list[dict], job_id: str | None, native: bool = True) -> di
 
 def _job_nodes(job_id: str) -> dict[str, int | None]:
     """node -> het group (None: not a het job) of the job's running components, from scontrol."""
-    from rlslurm.slurm import commands, parse
-
     try:
         records = commands.show_job(job_id)
     except RlslurmError:
@@ -201,8 +193,6 @@ def _job_nodes(job_id: str) -> dict[str, int | None]:
 
 
 def _srun_dump(job_id: str, node: str, group: int | None, pid: int, native: bool) -> str:
-    from rlslurm.slurm import commands
-
     binary = py_spy_binary() or "py-spy"
     tried = []
     # As dump_stack: native frames first; a stopped process (state T) only without pausing it.

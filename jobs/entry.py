@@ -41,11 +41,13 @@ def _on_slurm() -> bool:
 def _record_placement(run: RunDir, role: str) -> None:
     """Where this task landed: one line per task and start in placement.jsonl (diag bundles it, find_run
     looks job ids up in it)."""
+    from rlslurm.slurm.hetjob import component_job_id
+
     run.append_json(run.path / "placement.jsonl", {
         "t": time.time(), "role": role, "rank": int(os.environ.get("RLSLURM_RANK", "0")),
         "node": node_name(), "partition": os.environ.get("SLURM_JOB_PARTITION"), "job_id": leader_job_id(),
         # This component's own id (13 of het job 12): `rlslurm status 13` finds the run by it.
-        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+        "slurm_job_id": component_job_id(),
         "restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0")), "pid": os.getpid(),
     })
 

@@ -7,6 +7,8 @@
     sbatch_parsable("7;cluster\\n")          -> SbatchId(job_id="7", cluster="cluster")
     jobcomp_line("JobId=7 ... JobState=COMPLETED ...") -> {"JobId": "7", ...}
     split_job_id("7+1")                     -> ("7", 1)
+    job_state(records)                      -> "TIMEOUT" (of scontrol_show / parsable2 / jobcomp_line records)
+    accounting_disabled(sacct_stderr)       -> True where sacct has no database (then `sacct -c`)
 
 Anything these do not understand raises `SlurmParseError` quoting the input, never a guess. Tests:
 tests/unit/test_slurm_parse.py (tables of real outputs from the local cluster and SLURM's docs).
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from rlslurm.errors import SlurmParseError
 
@@ -187,3 +189,18 @@ def split_job_id(text: str) -> tuple[str, int | None]:
     if not m:
         raise SlurmParseError(f"not a job id: {text!r}")
     return m.group(1), (int(m.group(2)) if m.group(2) is not None else None)
+
+
+def job_state(records: Sequence[Mapping[str, str]]) -> str | None:
+    """A job's state from its first record (a het job's component 0): `JobState` of `scontrol show job` and
+    jobcomp, `State` of sacct, whose first word it is (`CANCELLED by 0` -> CANCELLED). None when there is no
+    record or the state is blank (`sacct -c` shifts the fields of a job name with a space)."""
+    if not records:
+        return None
+    words = (records[0].get("JobState") or records[0].get("State") or "").split()
+    return words[0] if words else None
+
+
+def accounting_disabled(sacct_stderr: str) -> bool:
+    """Whether sacct failed for want of an accounting database (`sacct -c` reads the jobcomp file instead)."""
+    return "accounting storage is disabled" in sacct_stderr

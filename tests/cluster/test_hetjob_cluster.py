@@ -152,3 +152,22 @@ def test_command_error_carries_command_exit_code_and_stderr(slurm_cluster):
     assert err.argv == ("scontrol", "show", "job", "-o", "999999") and err.returncode == 1
     assert "Invalid job id" in err.stderr and "scontrol show job -o 999999" in str(err)
     assert commands.squeue(["999999"]) == []  # squeue's "Invalid job id" is an empty answer, not an error
+
+
+def test_diag_keeps_slurms_reports_of_a_failed_het_job_and_reads_its_state(slurm_cluster, tmp_path):
+    """The diag bundle's SLURM section (commands.job_report, parse.job_state) on a real failed het job."""
+    from rlslurm.diag.bundle import slurm_facts
+
+    script = tmp_path / "fails.sbatch"
+    script.write_text("#!/bin/bash\n#SBATCH -p train -n 1 -J fails\n#SBATCH hetjob\n#SBATCH -p rollout -n 1\n"
+                      f"#SBATCH -o {tmp_path}/fails-%j.out\nsrun --het-group=0,1 true\nexit 3\n")
+    job_id = commands.sbatch([str(script)])
+    wait_for(f"job {job_id} FAILED", lambda: hetjob.job_states([job_id]).get(job_id, {}).get("State") == "FAILED", 60)
+    texts, state = slurm_facts(job_id)
+    assert state == "FAILED", texts
+    assert texts["scontrol-show-job.txt"].startswith(f"$ scontrol show job {job_id}\n# exit 0\n"), texts
+    assert "Reason=NonZeroExitCode" in texts["scontrol-show-job.txt"] and "ExitCode=3:0" in texts["scontrol-show-job.txt"]
+    assert "# exit 1\n" in texts["sacct.txt"] and "accounting storage is disabled" in texts["sacct.txt"], texts
+    assert texts["sacct-c.txt"].startswith("$ sacct -c --parsable2"), texts
+    missing, none = slurm_facts("999999")  # unknown to every source: evidence, not an exception
+    assert none is None and "Invalid job id" in missing["scontrol-show-job.txt"]
