@@ -34,10 +34,6 @@ log = logging.getLogger("rlslurm.jobs.entry")
 ROLES = {0: "train", 1: "rollout", 2: "reward"}
 
 
-def _on_slurm() -> bool:
-    return "SLURM_HET_SIZE" in os.environ or "SLURM_JOB_ID" in os.environ
-
-
 def _record_placement(run: RunDir, role: str) -> None:
     """Where this task landed: one line per task and start in placement.jsonl (diag bundles it, find_run
     looks job ids up in it)."""

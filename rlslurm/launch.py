@@ -18,7 +18,6 @@ import os
 import re
 import shlex
 import shutil
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -257,11 +256,6 @@ def _submit_local(job: JobConfig, run: RunDir, lay: Layout) -> Submission:
             else:
                 os.environ[key] = value
     return Submission(job_id=str(sjob.job_id), backend="local", run_dir=run.path, job=sjob)
-
-
-def python_argv(module: str, *args: str) -> list[str]:
-    """argv that runs `python -m module args` with this interpreter (same venv on every node)."""
-    return [sys.executable, "-m", module, *args]
 
 
 def describe(sub: Submission) -> str:

@@ -10,7 +10,7 @@ Exit codes of a job process (`ExitCode`), and what the batch script / launcher d
     77 NO_PROGRESS    N starts in a row resumed from the same step:      -> nothing: stop the storm
                       it gave up requeueing itself
 
-75 is sysexits' EX_TEMPFAIL ("try again later"); 76/77 follow it, clear of the CLI's error codes (1-9,
+75 is sysexits' EX_TEMPFAIL ("try again later"); 76/77 follow it, clear of the CLI's error codes (1-10,
 rlslurm/errors.py) and of the 128+N of a death by signal.
 
 Start: `on_start(run, restart_count, step=..., checkpoint=...)` (rank 0, after picking the checkpoint)

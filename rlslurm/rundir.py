@@ -1,6 +1,6 @@
 """One run directory per job: the single source of truth that status, diag, resume and humans read.
 
-    <run>/config.yaml        resolved config (defaults filled in)
+    <run>/config.yaml        resolved config (defaults filled in); config.submitted.yaml: the file as given
     <run>/plan.json          the plan at submit time
     <run>/jobs.jsonl         one line per start of the job: SLURM job id, restart count, host, time
     <run>/events.jsonl       append-only events (rlslurm/events.py)
@@ -11,6 +11,8 @@
     <run>/checkpoints/       step-XXXXXXXX/ complete checkpoints, `latest` pointer
     <run>/logs/              SLURM / submitit logs and per-rank logs
     <run>/control/           requests to the running job (e.g. `drain`)
+    <run>/endpoints/         where the rollout engines and the reward service publish their URLs
+    <run>/export/            hf/: the trained model in Hugging Face layout (SFT and RL); init/: RL's start
     <run>/submissions.jsonl  one line per `rlslurm submit` / `resume`: job id, backend, layout
     <run>/placement.jsonl    one line per task and start: role, rank, node, job ids
 

@@ -1,7 +1,7 @@
 """`rlslurm status <jobid|rundir>`: what a job is doing now, read from SLURM and its run directory.
 
-SLURM side: the state of each het component (squeue while the job is known to slurmctld, then
-scontrol / sacct, or `sacct -c` where there is no accounting database), nodes and restarts. Run side:
+SLURM side: the state of each het component (`scontrol show job` while slurmctld knows the job, then
+sacct, or `sacct -c` where there is no accounting database), nodes and restarts. Run side:
 the latest start, current step and phase per role from the heartbeats, the progress line (rlslurm/
 progress.py), the last complete checkpoint, and the last events.
 """
