@@ -3,7 +3,7 @@
     bundle = collect("runs/rl-demo-20250101", out_dir=Path("."))     # or a SLURM job id + run_root
     print(bundle.summary)                                           # names the most likely cause
 
-Contents (under diag-<run>-<stamp>/): summary.txt/.json; slurm/ (scontrol show job, sacct or sacct -c);
+Contents (under diag-<run>-<stamp>/): summary.txt/.json; slurm/ (scontrol show job, sacct, sacct -c);
 run/ (config.yaml, plan.json, jobs.jsonl, submissions.jsonl, placement.jsonl, events.jsonl, metrics tail,
 rendered sbatch scripts); heartbeats.txt + heartbeats/; env/ fingerprints + env-diff.txt; stacks/ (dumps
 of hangs, faulthandler files, and a live py-spy dump of every process still running: on this host
@@ -37,7 +37,7 @@ from rlslurm.diag.heartbeat import pid_alive, read_heartbeats, table
 from rlslurm.diag.stack_dump import dump_stack, py_spy_binary
 from rlslurm.errors import RlslurmError, SlurmParseError
 from rlslurm.node import node_name
-from rlslurm.rundir import RunDir, find_run, read_jsonl
+from rlslurm.rundir import RunDir, find_run, read_jsonl, submitted_backend
 from rlslurm.slurm import commands, parse
 
 REDACTED = "<redacted>"
@@ -116,7 +116,7 @@ def slurm_facts(job_id: str | None) -> tuple[dict[str, str], str | None]:
     """SLURM's reports on the job as it printed them (commands.JOB_REPORTS: scontrol show job, sacct,
     sacct -c), and the job's state from the first that answered; tolerant of no SLURM."""
     if not job_id:
-        return {"slurm.txt": "no SLURM job id recorded for this run (a local run)\n"}, None
+        return {"slurm.txt": "no SLURM job id recorded for this run (a local run: SLURM was not asked)\n"}, None
     texts, state = {}, None
     for kind in commands.JOB_REPORTS:
         try:
@@ -232,7 +232,9 @@ def collect(target: str | Path, *, run_root: Path | None = None, out_dir: Path |
     for text in logs.values():
         red.learn_text(text)
 
-    slurm_texts, state = slurm_facts(job_id) if slurm else ({"slurm.txt": "SLURM not asked (--no-slurm)\n"}, None)
+    local = submitted_backend(run) == "local"
+    slurm_job = None if local else job_id
+    slurm_texts, state = slurm_facts(slurm_job) if slurm else ({"slurm.txt": "SLURM not asked (--no-slurm)\n"}, None)
     files.update({f"slurm/{k}": v for k, v in slurm_texts.items()})
     if config is not None:
         files["run/config.yaml"] = yaml.safe_dump(red.structure(config), sort_keys=False)
@@ -260,14 +262,14 @@ def collect(target: str | Path, *, run_root: Path | None = None, out_dir: Path |
                 files[f"stacks/{p.relative_to(run.stacks)}"] = _tail(p, 5000)
     if live:
         files.update({f"stacks/live-{stamp}/{name}.txt": text
-                      for name, text in live_dumps(beats, job_id if state == "RUNNING" else None, native).items()})
+                      for name, text in live_dumps(beats, slurm_job if state == "RUNNING" else None, native).items()})
     files.update({f"logs/{k}.tail": v for k, v in logs.items()})
     files["checkpoints.txt"] = _checkpoints(run)
 
     facts = summ.Facts(events=read_jsonl(run.events), heartbeats=beats, logs=logs, slurm_state=state,
                        env_errors=[f.message for f in diff.errors] if diff else [])
     causes = summ.classify(facts)
-    header = [f"run: {run.path}", f"job: {job_id or 'local (no SLURM job id)'}"
+    header = [f"run: {run.path}", f"job: {slurm_job or 'local (no SLURM job id)'}"
               + (f", SLURM state {state}" if state else "")]
     text = summ.render(causes, header)
     files["summary.txt"] = text

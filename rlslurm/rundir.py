@@ -203,5 +203,12 @@ def newest_job_id(run: RunDir) -> str | None:
     return str(records[newest]["job_id"])
 
 
+def submitted_backend(run: RunDir) -> str | None:
+    """Where the run's newest submission went (`slurm` or `local`); None for a run never submitted.
+    A local run's job id is submitit's local one, which SLURM knows nothing of."""
+    subs = read_jsonl(run.path / "submissions.jsonl")
+    return subs[-1].get("backend") if subs else None
+
+
 def _is_run(path: Path) -> bool:
     return path.is_dir() and any((path / name).is_file() for name in ("config.yaml", "events.jsonl", *JOB_RECORDS))

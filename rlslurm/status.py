@@ -16,7 +16,7 @@ import yaml
 
 from rlslurm.errors import SlurmCommandError, SlurmParseError
 from rlslurm.progress import Progress
-from rlslurm.rundir import RunDir, find_run, read_jsonl
+from rlslurm.rundir import RunDir, find_run, read_jsonl, submitted_backend
 
 
 @dataclass
@@ -33,11 +33,6 @@ class Status:
     last_events: list[dict] = field(default_factory=list)
     slurm_error: str | None = None
     progress: str | None = None
-
-
-def _backend(run: RunDir) -> str | None:
-    subs = read_jsonl(run.path / "submissions.jsonl")
-    return subs[-1].get("backend") if subs else None
 
 
 def slurm_components(job_id: str) -> list[dict]:
@@ -68,7 +63,7 @@ def collect(target: str, run_root: str | Path | None = None) -> Status:
     from rlslurm.events import read_events
 
     run, job_id = find_run(target, run_root)
-    status = Status(run_dir=run.path, job_id=job_id, backend=_backend(run))
+    status = Status(run_dir=run.path, job_id=job_id, backend=submitted_backend(run))
     if job_id and status.backend == "slurm":
         try:
             status.components = slurm_components(job_id)
@@ -165,7 +160,7 @@ def follow(target: str, run_root: str | Path | None, show, *, poll_s: float = 2.
     from rlslurm.errors import JobFailedError, RlslurmError
 
     run, job_id = find_run(target, run_root)
-    backend = _backend(run)
+    backend = submitted_backend(run)
     since = _submitted_at(run)
     progress = Progress(run, total_steps=_total_steps(run))
     started = clock()
