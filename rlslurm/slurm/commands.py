@@ -155,6 +155,11 @@ def show_job(job_id: str, **kw) -> list[dict[str, str]]:
     return parse.scontrol_show(scontrol("show", "job", "-o", str(job_id), **kw))
 
 
+def node_states(**kw) -> dict[str, str]:
+    """node -> state (`idle`, `alloc`, `down`, ...) of every node, from `sinfo --Node`."""
+    return parse.sinfo_node_states(run(["sinfo", "--Node", "--noheader", "--format=%N|%t"], **kw).stdout)
+
+
 def show_node(node: str, **kw) -> list[dict[str, str]]:
     """`scontrol show node -o NAME` parsed (NodeAddr, State, Partitions, ...)."""
     return parse.scontrol_show(scontrol("show", "node", "-o", node, **kw))

@@ -127,7 +127,7 @@ class HetSlurmJob(submitit_slurm.SlurmJob[core.R]):
     watcher = HetInfoWatcher(delay_s=60)
 
     def cancel(self, check: bool = True) -> None:
-        commands.run(["scancel", self.job_id], check=check)
+        commands.scancel(self.job_id, check=check)
 
 
 def job_states(leader_ids: tp.Sequence[str]) -> dict[str, dict[str, str]]:

@@ -8,6 +8,7 @@
     jobcomp_line("JobId=7 ... JobState=COMPLETED ...") -> {"JobId": "7", ...}
     split_job_id("7+1")                     -> ("7", 1)
     job_state(records)                      -> "TIMEOUT" (of scontrol_show / parsable2 / jobcomp_line records)
+    sinfo_node_states("n1|idle\nn3|down*\n") -> {"n1": "idle", "n3": "down"}
     accounting_disabled(sacct_stderr)       -> True where sacct has no database (then `sacct -c`)
 
 Anything these do not understand raises `SlurmParseError` quoting the input, never a guess. Tests:
@@ -204,3 +205,21 @@ def job_state(records: Sequence[Mapping[str, str]]) -> str | None:
 def accounting_disabled(sacct_stderr: str) -> bool:
     """Whether sacct failed for want of an accounting database (`sacct -c` reads the jobcomp file instead)."""
     return "accounting storage is disabled" in sacct_stderr
+
+
+_NODE_STATE_FLAGS = "*~#!%$@^-"
+"""Suffixes `sinfo %t` adds to a node's state (man sinfo, NODE STATE CODES): * not responding, ~ powered
+off, # powering up, ! pending power down, % powering down, $ maintenance, @ pending reboot, ^ rebooting,
+- planned."""
+
+
+def sinfo_node_states(text: str) -> dict[str, str]:
+    """node -> state of `sinfo --Node --noheader --format=%N|%t` (a node in two partitions is listed twice;
+    its state is the same), the state without its flag suffixes."""
+    states: dict[str, str] = {}
+    for ln in text.split():
+        name, sep, state = ln.partition("|")
+        if not sep or not name or not state:
+            raise SlurmParseError(f"sinfo line is not NODE|STATE: {ln!r}")
+        states[name] = state.rstrip(_NODE_STATE_FLAGS)
+    return states

@@ -131,6 +131,16 @@ def test_accounting_disabled_is_read_from_sacct_stderr():
     assert parse.accounting_disabled((OUT / "sacct_accounting_disabled.stderr.txt").read_text())  # real
     assert not parse.accounting_disabled("sacct: error: Invalid job id specified")
 
+
+def test_sinfo_node_states():
+    # real: every node listed once per partition it is in (urgent holds all five)
+    states = parse.sinfo_node_states((OUT / "sinfo_node_states.txt").read_text())
+    assert states == {"n1": "alloc", "n2": "alloc", "n3": "alloc", "n4": "idle", "n5": "idle"}
+    # docs (man sinfo, NODE STATE CODES): a flag suffix is not part of the state
+    assert parse.sinfo_node_states("n1|down*\nn2|idle~\nn3|mix#\n") == {"n1": "down", "n2": "idle", "n3": "mix"}
+    with pytest.raises(SlurmParseError, match="NODE|STATE"):
+        parse.sinfo_node_states("n1 idle\n")
+
 SQUEUE_FIELDS = ("JobID", "State", "Partition", "Name", "NodeList", "NumTasks", "RestartCnt", "Reason")
 
 
