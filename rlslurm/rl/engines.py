@@ -23,6 +23,7 @@ from rlslurm import events, lifecycle
 from rlslurm.config import JobConfig
 from rlslurm.dist import free_port
 from rlslurm.errors import RlslurmError
+from rlslurm.layout import JobLayout
 from rlslurm.node import node_name
 from rlslurm.rundir import RunDir
 
@@ -33,20 +34,20 @@ class Engines:
     """The rollout engines the controller talks to: announced by the rollout het component (separate
     placement on SLURM), or spawned here beside rank 0 (colocated, or any run off SLURM)."""
 
-    def __init__(self, job: JobConfig, run: RunDir, model_dir: Path):
+    def __init__(self, job: JobConfig, layout: JobLayout, run: RunDir, model_dir: Path):
         from rlslurm.rollout.client import EngineClient, spawn_engine
 
         self.run = run
         self.processes = []
-        if os.environ.get("SLURM_HET_SIZE", "1") != "1":
-            urls = wait_for_endpoints(run, job.rollout.engines, job.rollout.request_timeout_s,
+        if layout.engines_from_component:
+            urls = wait_for_endpoints(run, layout.engines, job.rollout.request_timeout_s,
                                       job_id=lifecycle.leader_job_id(), restart_count=lifecycle.restart_count())
             self.clients = [EngineClient(url, job.rollout.request_timeout_s) for url in urls]
             for client in self.clients:  # an engine announces itself before its server listens
                 client.wait_ready(job.rollout.request_timeout_s)
         else:
             node = node_name()
-            for i in range(job.rollout.engines):
+            for i in range(layout.engines):
                 proc = spawn_engine(model_dir, port=free_port(), log_path=run.logs / f"engine-{i}.log",
                                     extra_args=engine_args(job),
                                     env={"RLSLURM_RUN_DIR": str(run.path), "RLSLURM_ROLE": "rollout",
