@@ -20,7 +20,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from rlslurm.diag.heartbeat import label, pid_alive, this_host
+from rlslurm.diag.heartbeat import label, pid_alive
+from rlslurm.node import node_name
 
 
 @dataclass
@@ -33,7 +34,7 @@ class Facts:
     """State from scontrol / sacct: RUNNING, COMPLETED, FAILED, TIMEOUT, PREEMPTED, NODE_FAIL, OUT_OF_MEMORY ..."""
     env_errors: list[str] = field(default_factory=list)
     now: float = field(default_factory=time.time)
-    host: str = field(default_factory=this_host)
+    host: str = field(default_factory=node_name)
 
 
 @dataclass

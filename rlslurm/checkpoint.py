@@ -33,7 +33,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +42,9 @@ import psutil
 
 from rlslurm import events
 from rlslurm.configfile import check_range
+from rlslurm.durable import fsync
 from rlslurm.errors import CheckpointError
+from rlslurm.node import node_name
 from rlslurm.plan.checkpoint_interval import checkpoint_interval
 from rlslurm.rundir import RunDir
 
@@ -93,14 +94,6 @@ def step_dirname(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _sha256(path: Path) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
@@ -144,7 +137,7 @@ class CheckpointWriter:
         self._files: dict[str, dict] = {}
 
     def _add(self, filename: str, path: Path) -> None:
-        _fsync_path(path)
+        fsync(path)
         self._files[filename] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
         if len(self._files) == 1:
             _pause_for_test(self.step)
@@ -194,19 +187,19 @@ class CheckpointWriter:
         """Manifest last, rename into place, fsync the parent, move `latest`, prune, emit checkpoint_saved."""
         manifest = {
             "format": 1, "step": self.step, "policy_version": self.policy_version, "time": time.time(),
-            "writer": {"host": socket.gethostname(), "pid": os.getpid()},
+            "writer": {"host": node_name(), "pid": os.getpid()},
             "files": self._files, "metadata": self.metadata,
         }
         (self.tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
-        _fsync_path(self.tmp / MANIFEST)
-        _fsync_path(self.tmp)
+        fsync(self.tmp / MANIFEST)
+        fsync(self.tmp)
         final = self.run.checkpoints / step_dirname(self.step)
         replaced = None
         if final.exists():  # the same step saved again (a drain right after a periodic save): swap it
             replaced = final.with_name(f".replaced-{final.name}-{os.getpid()}")
             os.rename(final, replaced)
         os.rename(self.tmp, final)
-        _fsync_path(self.run.checkpoints)
+        fsync(self.run.checkpoints)
         if replaced is not None:
             shutil.rmtree(replaced, ignore_errors=True)
         _write_latest(self.run, final.name)
@@ -241,16 +234,16 @@ def write_rank_state(directory: Path, name: str, obj: Any) -> str:
     path = Path(directory) / f"{name}.pt"
     with open(path, "wb") as f:
         torch.save(obj, f)
-    _fsync_path(path)
+    fsync(path)
     return path.name
 
 
 def _write_latest(run: RunDir, name: str) -> None:
     tmp = run.checkpoints / f".{LATEST}.tmp-{os.getpid()}"
     tmp.write_text(name + "\n")
-    _fsync_path(tmp)
+    fsync(tmp)
     os.replace(tmp, run.checkpoints / LATEST)
-    _fsync_path(run.checkpoints)
+    fsync(run.checkpoints)
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,9 @@ come from RLSLURM_ROLE / RLSLURM_RANK when not given.
 from __future__ import annotations
 
 import os
-import socket
 import time
 
+from rlslurm.node import node_name
 from rlslurm.rundir import RunDir, read_jsonl
 
 
@@ -21,7 +21,7 @@ def emit(run: RunDir, kind: str, **fields) -> dict:
     record = {
         "t": time.time(),
         "kind": kind,
-        "host": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
+        "host": node_name(),
         "pid": os.getpid(),
         "role": fields.pop("role", os.environ.get("RLSLURM_ROLE", "main")),
         "rank": fields.pop("rank", int(os.environ.get("RLSLURM_RANK", "0"))),

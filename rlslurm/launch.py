@@ -20,7 +20,6 @@ import os
 import re
 import shlex
 import shutil
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ from rlslurm.config import JobConfig
 from rlslurm.configfile import to_dict
 from rlslurm.errors import JobFailedError, PreflightError, RlslurmError, RunDirError, SlurmCommandError
 from rlslurm.layout import JobLayout
-from rlslurm.rundir import ENV_VAR, RunDir, read_jsonl
+from rlslurm.rundir import ENV_VAR, RunDir, find_run, read_jsonl
 
 log = logging.getLogger("rlslurm.launch")
 
@@ -141,7 +140,7 @@ def resume(target: str, *, overrides: tuple[str, ...] = (), force: bool = False,
     and pre-flighted like a new submission. Refused while a job of the run still shows signs of life."""
     from rlslurm.config import load_config
     from rlslurm.plan.report import render_json
-    from rlslurm.status import find_run, slurm_components
+    from rlslurm.status import slurm_components
 
     run, previous = find_run(target, run_root)
     job = load_config(run.config, overrides)
@@ -284,11 +283,6 @@ def _submit_local(job: JobConfig, run: RunDir, lay: JobLayout) -> Submission:
             else:
                 os.environ[key] = value
     return Submission(job_id=str(sjob.job_id), backend="local", run_dir=run.path, job=sjob)
-
-
-def python_argv(module: str, *args: str) -> list[str]:
-    """argv that runs `python -m module args` with this interpreter (same venv on every node)."""
-    return [sys.executable, "-m", module, *args]
 
 
 def describe(sub: Submission) -> str:

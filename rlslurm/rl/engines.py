@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from rlslurm.config import JobConfig
 from rlslurm.dist import free_port
 from rlslurm.errors import RlslurmError
 from rlslurm.layout import JobLayout
+from rlslurm.node import node_name
 from rlslurm.rundir import RunDir
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ class Engines:
             for client in self.clients:  # an engine announces itself before its server listens
                 client.wait_ready(job.rollout.request_timeout_s)
         else:
-            node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+            node = node_name()
             for i in range(layout.engines):
                 proc = spawn_engine(model_dir, port=free_port(), log_path=run.logs / f"engine-{i}.log",
                                     extra_args=engine_args(job),
