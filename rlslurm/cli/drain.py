@@ -15,7 +15,7 @@ import click
 
 from rlslurm.diag.bundle import find_run
 from rlslurm.diag.watchdog import request_drain
-from rlslurm.events import emit
+from rlslurm.events import DRAIN_REQUESTED, emit
 
 
 @click.command("drain")
@@ -26,5 +26,5 @@ def command(target: str, reason: str, run_root: str | None) -> None:
     """Request a drain of TARGET (a run directory or SLURM job id)."""
     run, job_id = find_run(target, Path(run_root) if run_root else None)
     path = request_drain(run, reason)
-    emit(run, "drain_requested", role="cli", rank=None, reason=reason, job_id=job_id, file=str(path))
+    emit(run, DRAIN_REQUESTED, role="cli", rank=None, reason=reason, job_id=job_id, file=str(path))
     click.echo(f"drain requested: {path} ({reason})")
