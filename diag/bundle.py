@@ -196,6 +196,13 @@ def _checkpoints(run: RunDir) -> str:
     return "\n".join(rows or ["no checkpoints"]) + "\n"
 
 
+def env_check(config: dict | None, fps: dict[str, dict]):
+    """The env diff of a run's fingerprints under its sync method (auto taken as broadcast: the strictest);
+    None without fingerprints."""
+    sync_method = ((config or {}).get("sync") or {}).get("method", "broadcast")
+    return compare(fps, sync_method="broadcast" if sync_method == "auto" else sync_method) if fps else None
+
+
 def live_dumps(beats: list[dict], job_id: str | None, native: bool = True) -> dict[str, str]:
     """heartbeat name -> stack dump of each process whose heartbeat says running: on this host by
     dump_stack, on a node of the running SLURM job `job_id` by py-spy in an `srun --overlap` step of the
@@ -291,8 +298,7 @@ def collect(target: str | Path, *, run_root: Path | None = None, out_dir: Path |
     files["heartbeats.txt"] = table(beats)
     files.update({f"heartbeats/{hb['file']}": json.dumps(red.structure(hb), indent=1) for hb in beats})
     files.update({f"env/{k}.json": json.dumps(red.structure(v), indent=1, sort_keys=True) for k, v in fps.items()})
-    sync_method = ((config or {}).get("sync") or {}).get("method", "broadcast")
-    diff = compare(fps, sync_method="broadcast" if sync_method == "auto" else sync_method) if fps else None
+    diff = env_check(config, fps)
     files["env-diff.txt"] = diff.render() if diff else "no env fingerprints\n"
 
     if run.stacks.is_dir():

@@ -1,0 +1,110 @@
+"""Record a real run of each failure `rlslurm diag` names, for the classifier's tests.
+
+    .venv/bin/python tests/data/diag/record.py                      # every local cause (~5 min on 2 cores)
+    .venv/bin/python tests/data/diag/record.py reward_down hang     # some of them
+    RLSLURM_SLURM_PORT_BASE=31817 .venv/bin/python tests/data/diag/record.py --cluster   # + the SLURM causes (root)
+
+Each cause's run is made for real by tests/integration/failures.py (its docstring says how, and the two
+facts that are planted); then `rlslurm diag`'s own collector (diag/bundle.py: redacted, log tails) bundles
+it, the classifier must name the cause the run was made for (else nothing is written), and the bundle's
+evidence goes to tests/data/diag/<cause>/:
+
+    run/events.jsonl, run/config.yaml     the run's events and resolved config
+    heartbeats/*.json, env/*.json         every process's last heartbeat and env fingerprint
+    logs/**.tail                          the last LOG_LINES lines of every log (not submitit's pickles)
+    recorded.json                         what no file holds: when (`recorded_at`), on which host, which
+                                          heartbeats' processes were alive then, SLURM's state of the job,
+                                          how the run was made, and the headline diag printed
+
+No weights, checkpoints or stacks are kept. tests/unit/test_diag_recorded.py replays each directory through
+the classifier (tests/data/diag/README.md lists what is there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "integration"))
+
+import failures  # noqa: E402  (tests/integration/failures.py)
+
+from rlslurm.diag.bundle import collect  # noqa: E402
+from rlslurm.diag.heartbeat import pid_alive, read_heartbeats, this_host  # noqa: E402
+from rlslurm.rundir import RunDir  # noqa: E402
+
+LOG_LINES = 60
+"""Lines kept of each log: the cause is in the tail, and the files stay small."""
+KEPT = ("run/events.jsonl", "run/config.yaml", "heartbeats/", "env/", "logs/")
+
+
+def record(cause: str, made: failures.Made, how, out_root: Path = HERE) -> dict:
+    """Bundle `made.run` as `rlslurm diag` does, check the cause, and write tests/data/diag/<cause>/."""
+    run = RunDir(made.run)
+    alive = sorted(hb["file"] for hb in read_heartbeats(run) if hb.get("host") == this_host() and pid_alive(hb))
+    with tempfile.TemporaryDirectory() as tmp:
+        bundle = collect(run.path, out_dir=Path(tmp), live=False, slurm=made.slurm, log_tail_lines=LOG_LINES)
+        recorded_at = time.time()
+        if bundle.causes[0].kind != cause:
+            raise SystemExit(f"{cause}: diag named {bundle.causes[0].kind!r} for {run.path}, not {cause!r}:\n"
+                             f"{bundle.summary}")
+        out = out_root / cause
+        shutil.rmtree(out, ignore_errors=True)
+        with tarfile.open(bundle.path) as tar:
+            for member in tar.getmembers():
+                name = member.name.split("/", 1)[1]
+                if member.isfile() and name.startswith(KEPT) and ".pkl" not in name:  # submitit's pickles: no log
+                    (out / name).parent.mkdir(parents=True, exist_ok=True)
+                    (out / name).write_bytes(tar.extractfile(member).read())
+        summary = json.loads(tar_member(bundle.path, "summary.json"))
+    meta = {"cause": cause, "made_by": f"tests/integration/failures.py:{how.__name__}",
+            "made_how": " ".join((how.__doc__ or "").split()), "recorded_at": recorded_at, "host": this_host(),
+            "alive": alive, "slurm_state": summary["slurm_state"], "headline": bundle.causes[0].headline}
+    (out / "recorded.json").write_text(json.dumps(meta, indent=1) + "\n")
+    return meta
+
+
+def tar_member(path: Path, suffix: str) -> str:
+    with tarfile.open(path) as tar:
+        (member,) = [m for m in tar.getmembers() if m.name.endswith("/" + suffix)]
+        return tar.extractfile(member).read().decode()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("causes", nargs="*", help=f"some of: {', '.join(failures.LOCAL)} (default: all)")
+    p.add_argument("--keep", action="store_true", help="keep the scratch run directories (printed)")
+    args = p.parse_args(argv)
+    causes = args.causes or list(failures.LOCAL)
+    unknown = sorted(set(causes) - set(failures.LOCAL))
+    if unknown:
+        p.error(f"no scenario for {unknown}; known: {', '.join(failures.LOCAL)}")
+    scratch = Path(tempfile.mkdtemp(prefix="rlslurm-record-"))
+    try:
+        for cause in causes:
+            started = time.monotonic()
+            (scratch / cause).mkdir(parents=True)
+            made = failures.LOCAL[cause](scratch / cause)
+            try:
+                meta = record(cause, made, failures.LOCAL[cause])
+            finally:
+                made.close()
+            print(f"{cause}: {meta['headline']} ({time.monotonic() - started:.0f} s)", flush=True)
+    finally:
+        if args.keep:
+            print(f"scratch runs kept in {scratch}")
+        else:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
