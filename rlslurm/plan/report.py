@@ -151,7 +151,7 @@ def _warnings(plan: Plan) -> list[str]:
 
 def _nccl_on_one_gpu(plan: Plan) -> bool:
     """Broadcast sync between trainer rank 0 and colocated engines on a GPU cluster: one NCCL group with two
-    ranks on one device (jobs/rl.py spawns colocated engines in rank 0's environment, on its GPU). On the
+    ranks on one device (rlslurm/rl/engines.py spawns colocated engines in rank 0's environment, on its GPU). On the
     cpu profile the group is gloo, which has no such rule."""
     return plan.placement == "colocate" and plan.sync_method == "broadcast" and plan.job.hardware.profile != "cpu"
 
