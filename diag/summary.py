@@ -128,9 +128,10 @@ def classify(facts: Facts) -> list[Cause]:
     hit = _grep(facts.logs, _ENGINE, lambda n: "rollout" in n or "engine" in n)
     if engine:
         e = engine[0]
-        where = ", ".join(f"{k} {e[k]}" for k in ("node", "pid", "exit_code") if e.get(k) is not None)
-        causes.append(Cause("engine_crash", f"rollout engine crash: {e.get('url')}{f' ({where})' if where else ''} "
-                            f"failed {e.get('call')}: {e.get('cause')}",
+        where = ", ".join(f"{k.replace('_', ' ')} {e[k]}" for k in ("node", "pid", "exit_code")
+                          if e.get(k) is not None)
+        causes.append(Cause("engine_crash", f"rollout engine crash: {e.get('url')}{f' ({where})' if where else ''}: "
+                            f"{e.get('cause')}",
                             [f"engine log: {e['log']}"] if e.get("log") else []))
     elif hit:
         causes.append(Cause("engine_crash", f"rollout engine crash: {hit[0]}: {hit[1].group(0)}"))

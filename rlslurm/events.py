@@ -89,12 +89,12 @@ NO_PROGRESS = declare("no_progress", "starts in a row resumed from one step: the
                       by="rlslurm/lifecycle.py",
                       required=("step", "checkpoint", "restart_count", "fruitless_starts", "reason"))
 FIRST_STEP = declare("first_step", "the first step of this start is trained (requeue -> training again ends here)",
-                     by=("jobs/rl.py", "jobs/toytrain.py"), required=("step", "since_process_start_s"),
+                     by=("rlslurm/rl/loop.py", "jobs/toytrain.py"), required=("step", "since_process_start_s"),
                      optional=("policy_version", "device"))
 EVAL = declare("eval", "held-out accuracy of the starting policy (later ones are in metrics.jsonl)",
-               by="jobs/rl.py", required=("step", "held_out_accuracy"))
+               by="rlslurm/rl/loop.py", required=("step", "held_out_accuracy"))
 DONE = declare("done", "the RL or toy job trained every step (and exported)",
-               by=("jobs/rl.py", "jobs/toytrain.py"), required=("step",),
+               by=("rlslurm/rl/loop.py", "jobs/toytrain.py"), required=("step",),
                optional=("policy_version", "held_out_accuracy", "weights_sha256"))
 SFT_START = declare("sft_start", "an SFT trainer rank started training", by="jobs/sft.py",
                     required=("world_size", "steps", "start_step", "params", "device"), informational=True)
@@ -113,7 +113,8 @@ DRAIN_REQUESTED = declare("drain_requested", "a drain was asked for (signal, con
 DRAIN_REQUEST_STALE = declare("drain_request_stale", "a drain control file older than this start was ignored",
                               by="diag/drain_gate.py", required=("file", "reason"), informational=True)
 ENGINES_DRAINED = declare("engines_drained", "the controller drained the rollout engines for a job drain",
-                          by="jobs/rl.py", required=("engines",), optional=("reason",), informational=True)
+                          by=("rlslurm/rl/engines.py", "rlslurm/rl/loop.py"), required=("engines",),
+                          optional=("reason",), informational=True)
 DRAIN_CHECKPOINT_SKIPPED = declare("drain_checkpoint_skipped", "too little KillWait left for the drain checkpoint",
                                    by="rlslurm/lifecycle.py", required=("step", "reason"), informational=True)
 DRAINED = declare("drained", "every rank drained at `step`: checkpointed (if it fit) and left",
@@ -139,15 +140,15 @@ HANG_DETECTED = declare("hang_detected", "the watchdog found ranks without progr
 HANG_ACTION = declare("hang_action", "what the watchdog did about a hang (dump, requeue, fail)",
                       by="diag/watchdog.py", required=("action", "policy"), open_fields=True)
 ENV_DIFF = declare("env_diff", "the controller's env-fingerprint check before the first sync found differences",
-                   by="jobs/rl.py", required=("report", "ok"))
+                   by="rlslurm/rl/controller.py", required=("report", "ok"))
 FAULT_INJECTED = declare("fault_injected", "a test hook of the toy job injected a fault", by="jobs/toytrain.py",
                          required=("fault", "step", "mode"), informational=True)
 
 # -- RL: engines, weight sync, steps -------------------------------------------------------------------
 
-ENGINE_FAILED = declare("engine_failed", "a rollout engine failed a request or died (connection lost, HTTP error, "
-                        "no answer in time)", by="rlslurm/rollout/client.py", required=("url", "call", "cause"),
-                        optional=("node", "pid", "exit_code", "status", "log"))
+ENGINE_FAILED = declare("engine_failed", "a rollout engine failed the job: a request it failed (connection lost, "
+                        "HTTP error, no answer in time) or its process died", by="rlslurm/rl/engines.py",
+                        required=("url", "cause"), optional=("call", "node", "pid", "exit_code", "status", "log"))
 SYNC_VERIFIED = declare("sync_verified", "a weight sync passed VERIFY and the engines serve `version`",
                         by="rlslurm/sync/protocol.py", required=("version", "transport"), optional=("step",),
                         open_fields=True)
@@ -163,11 +164,11 @@ SYNC_FAILED = declare("sync_failed", "a weight-sync stage failed or ran past syn
                       "group)", by="rlslurm/sync/protocol.py", required=("stage", "version", "reason"),
                       optional=("step",))
 SYNC_SKIPPED = declare("sync_skipped", "SLURM stops the job: the trained step's sync is left to the next start",
-                       by="jobs/rl.py", required=("step", "reason"))
+                       by="rlslurm/rl/loop.py", required=("step", "reason"))
 STEP_ABANDONED = declare("step_abandoned", "SLURM stops the job mid-step: the step is made again after the requeue",
-                         by="jobs/rl.py", required=("step", "reason"))
+                         by="rlslurm/rl/loop.py", required=("step", "reason"))
 EXPERIENCE_RESTORED = declare("experience_restored", "experience made ahead (rl.max_staleness) came back from the "
-                              "checkpoint", by="jobs/rl.py", required=("steps",))
+                              "checkpoint", by="rlslurm/rl/controller.py", required=("steps",))
 
 # -- the reward service -----------------------------------------------------------------------------------
 

@@ -245,6 +245,19 @@ def env_mismatch(root: Path) -> Made:
     return Made(sub.run_dir)
 
 
+def engine_crash(root: Path) -> Made:
+    """An RL run whose engine process is SIGKILLed after the second step: the controller's next call to it
+    (the rollout, or the sync's DRAIN) is refused, and the job fails naming the engine."""
+    sub = submit(RL_EXAMPLE, root / "runs", (*RL_SMALL, "train.steps=200", "train.step_delay_s=0.2"))
+    wait_until("the RL run's second step", lambda: _steps(sub.run_dir) >= 2, sub)
+    (engine,) = [p for p in read_jsonl(sub.run_dir / "placement.jsonl") if p["role"] == "rollout"]
+    os.kill(engine["pid"], signal.SIGKILL)
+    said = ended(sub)
+    assert "EngineRequestError" in said or "SyncStageError" in said, f"see {sub.run_dir}: {said}"
+    return Made(sub.run_dir)
+
+
 LOCAL = {"finished": finished, "exception": exception, "hang": hang, "running": running, "unknown": unknown,
-         "oom": oom, "reward_down": reward_down, "sync_failure": sync_failure, "env_mismatch": env_mismatch}
+         "oom": oom, "reward_down": reward_down, "sync_failure": sync_failure, "env_mismatch": env_mismatch,
+         "engine_crash": engine_crash}
 """Cause (as `rlslurm diag` names it) -> the scenario that makes it happen here."""

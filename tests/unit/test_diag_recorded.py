@@ -49,7 +49,8 @@ def recorded_facts(folder: Path) -> Facts:
             for p in sorted((folder / "logs").rglob("*.tail"))}
     return Facts(events=read_jsonl(folder / "run" / "events.jsonl"),
                  heartbeats=[json.loads(p.read_text()) for p in sorted((folder / "heartbeats").glob("*.json"))],
-                 logs=logs, slurm_state=meta["slurm_state"], env_errors=[f.message for f in diff.errors] if diff else [],
+                 logs=logs, slurm_state=meta["slurm_state"],
+                 env_errors=[f.message for f in diff.errors] if diff else [],
                  now=meta["recorded_at"], host=meta["host"], pid_alive=lambda hb: hb["file"] in alive)
 
 

@@ -242,7 +242,8 @@ def test_every_emit_carries_the_declared_fields(code):
 
 def test_readers_name_only_kinds_that_code_emits(code):
     emitted = _emitted(code)
-    dead = [f"{kind} (named in {', '.join(sorted(paths))})" for kind, paths in code.reads.items() if kind not in emitted]
+    dead = [f"{kind} (named in {', '.join(sorted(paths))})" for kind, paths in code.reads.items()
+            if kind not in emitted]
     assert not dead, "readers look for kinds that nothing emits: " + "; ".join(dead)
 
 
