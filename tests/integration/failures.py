@@ -108,11 +108,18 @@ def ended(sub: launch.Submission, timeout_s: float = WAIT_S) -> str:
         return str(e)
 
 
-def toy_config(path: Path, *, steps: int = 6, step_delay_s: float = 0.05, diag: dict | None = None) -> Path:
-    """The toy job (jobs/toytrain.py), 2 ranks on this machine."""
+def toy_config(path: Path, *, steps: int = 6, step_delay_s: float = 0.05, diag: dict | None = None,
+               slurm: dict | None = None) -> Path:
+    """The toy job (jobs/toytrain.py), 2 ranks on this machine; with `slurm` (cluster: keys), the spine's het
+    job on the local Slurm instead: 1 train node (2 ranks) + 1 rollout node (tests/cluster/spine_util.py)."""
     data = {"job": {"name": path.stem, "kind": "toy"}, "hardware": {"profile": "cpu", "nodes": 1, "gpus_per_node": 2},
             "placement": {"mode": "colocate"}, "train": {"steps": steps, "step_delay_s": step_delay_s},
             "checkpoint": {"interval_steps": 1000, "cost_s": 0.5}}
+    if slurm is not None:
+        data.update(hardware={"profile": "cpu", "nodes": 2, "gpus_per_node": 2},
+                    placement={"mode": "separate", "rollout_nodes": 1},
+                    cluster={"backend": "slurm", "run_root": str(path.parent / "runs"), **slurm})
+        data["checkpoint"].update(kill_wait_s=5, interval_steps=4)  # the local cluster's KillWait
     if diag:
         data["diag"] = diag
     path.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -256,6 +263,67 @@ def engine_crash(root: Path) -> Made:
     assert "EngineRequestError" in said or "SyncStageError" in said, f"see {sub.run_dir}: {said}"
     return Made(sub.run_dir)
 
+
+# -- the local Slurm (tests/data/diag/record.py --cluster starts one): time limit, preemption, node failure --
+
+def _slurm_toy(root: Path, name: str, **kw) -> launch.Submission:
+    sub = submit(toy_config(root / f"{name}.yaml", **kw), root / "runs", backend="slurm")
+    wait_until(f"job {sub.job_id}'s first step", lambda: _steps(sub.run_dir) >= 1, timeout_s=WAIT_S)
+    return sub
+
+
+def _train_node(run: Path) -> str:
+    return [p for p in read_jsonl(run / "placement.jsonl") if p["role"] == "train"][-1]["node"]
+
+
+def _slurm_state(job_id: str) -> str | None:
+    from rlslurm.slurm import commands
+
+    return commands.show_job(job_id)[0].get("JobState")
+
+
+def time_limit(root: Path) -> Made:
+    """A toy job on SLURM whose step (300 s) outlasts its 1-minute allocation: the pre-timeout signal
+    cannot be acted on before the time limit, and SLURM kills it (TIMEOUT)."""
+    sub = _slurm_toy(root, "time_limit", steps=100, step_delay_s=300, diag={"hang_timeout_s": 900},
+                     slurm={"time_limit_min": 1, "signal_before_s": 10})
+    wait_until(f"job {sub.job_id} to time out", lambda: _slurm_state(sub.job_id) == "TIMEOUT", timeout_s=180)
+    return Made(sub.run_dir, slurm=True)
+
+
+def preempted(root: Path) -> Made:
+    """A toy job on SLURM preempted by a job of the `urgent` partition on its train node (PreemptMode
+    REQUEUE): it drains on SIGTERM, SLURM requeues it, and it waits while the urgent job holds the node."""
+    from rlslurm.slurm import commands
+
+    sub = _slurm_toy(root, "preempted", steps=100_000, step_delay_s=0.2, slurm={"time_limit_min": 5})
+    urgent = commands.sbatch(["--partition=urgent", f"--nodelist={_train_node(sub.run_dir)}", "--ntasks=1",
+                              "--time=2", "--job-name=urgent", f"--output={root / 'urgent-%j.out'}", "--wrap=sleep 90"])
+    wait_until(f"job {sub.job_id} requeued", lambda: _slurm_state(sub.job_id) == "PENDING", timeout_s=60)
+    return Made(sub.run_dir, slurm=True, stops=[lambda: commands.scancel(sub.job_id),
+                                                lambda: commands.scancel(urgent)])
+
+
+def node_failure(root: Path) -> Made:
+    """A toy job on SLURM whose train node fails under it: `scontrol update State=DOWN` (what slurmctld
+    does to a node that stops answering, without the 5-minute wait); SLURM requeues the job (NODE_FAIL)."""
+    from rlslurm.slurm import commands
+
+    sub = _slurm_toy(root, "node_failure", steps=100_000, step_delay_s=0.2, slurm={"time_limit_min": 5})
+    node = _train_node(sub.run_dir)
+    commands.scontrol("update", f"NodeName={node}", "State=DOWN", "Reason=node_failure scenario")
+    wait_until(f"job {sub.job_id} requeued", lambda: _slurm_state(sub.job_id) == "PENDING", timeout_s=60)
+
+    def node_back() -> None:
+        commands.scancel(sub.job_id)
+        wait_until(f"job {sub.job_id} gone", lambda: _slurm_state(sub.job_id) not in ("PENDING", "COMPLETING"), 60)
+        commands.scontrol("update", f"NodeName={node}", "State=IDLE")
+
+    return Made(sub.run_dir, slurm=True, stops=[node_back])
+
+
+CLUSTER = {"time_limit": time_limit, "preempted": preempted, "node_failure": node_failure}
+"""The causes only SLURM makes: recorded with a local Slurm up (tests/data/diag/record.py --cluster)."""
 
 LOCAL = {"finished": finished, "exception": exception, "hang": hang, "running": running, "unknown": unknown,
          "oom": oom, "reward_down": reward_down, "sync_failure": sync_failure, "env_mismatch": env_mismatch,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tarfile
@@ -80,25 +81,39 @@ def tar_member(path: Path, suffix: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("causes", nargs="*", help=f"some of: {', '.join(failures.LOCAL)} (default: all)")
+    p.add_argument("causes", nargs="*", help=f"some of: {', '.join({**failures.LOCAL, **failures.CLUSTER})} "
+                                             "(default: every local one; with --cluster, every one)")
+    p.add_argument("--cluster", action="store_true",
+                   help="start a local Slurm (root; RLSLURM_SLURM_PORT_BASE) for the causes only SLURM makes")
     p.add_argument("--keep", action="store_true", help="keep the scratch run directories (printed)")
     args = p.parse_args(argv)
-    causes = args.causes or list(failures.LOCAL)
-    unknown = sorted(set(causes) - set(failures.LOCAL))
+    scenarios = {**failures.LOCAL, **(failures.CLUSTER if args.cluster else {})}
+    causes = args.causes or list(scenarios)
+    unknown = sorted(set(causes) - set(scenarios))
     if unknown:
-        p.error(f"no scenario for {unknown}; known: {', '.join(failures.LOCAL)}")
+        p.error(f"no scenario for {unknown} here; known: {', '.join(scenarios)}"
+                + ("" if args.cluster else f" (--cluster adds {', '.join(failures.CLUSTER)})"))
     scratch = Path(tempfile.mkdtemp(prefix="rlslurm-record-"))
+    cluster = None
     try:
+        if args.cluster:
+            from rlslurm.slurm.localcluster import LocalCluster
+
+            cluster = LocalCluster(scratch / "slurm")
+            cluster.up(timeout_s=60)
+            os.environ.update(cluster.env)  # every SLURM client (and submitit) reads SLURM_CONF
         for cause in causes:
             started = time.monotonic()
             (scratch / cause).mkdir(parents=True)
-            made = failures.LOCAL[cause](scratch / cause)
+            made = scenarios[cause](scratch / cause)
             try:
-                meta = record(cause, made, failures.LOCAL[cause])
+                meta = record(cause, made, scenarios[cause])
             finally:
                 made.close()
             print(f"{cause}: {meta['headline']} ({time.monotonic() - started:.0f} s)", flush=True)
     finally:
+        if cluster is not None:
+            cluster.down()
         if args.keep:
             print(f"scratch runs kept in {scratch}")
         else:
