@@ -115,7 +115,10 @@ def classify(facts: Facts) -> list[Cause]:
             where = f"{e.get('role')}-{e.get('rank')} in phase {e.get('phase')} step {e.get('step')}: {e.get('error')}"
         else:
             where = f"{oom[0]}: {oom[1].group(0)}" if oom else f"SLURM state {state}"
-        causes.append(Cause("oom", f"out of memory ({where})", _tail_lines(facts.logs, oom[0]) if oom else []))
+        forced = [f"submitted with --force past the plan's pre-flight: {problem}"
+                  for e in ev.select(facts.events, ev.PREFLIGHT_FORCED) for problem in e.get("problems") or []]
+        causes.append(Cause("oom", f"out of memory ({where})",
+                            forced + (_tail_lines(facts.logs, oom[0]) if oom else [])))
     for e in ev.select(now_events, ev.HANG_DETECTED)[-1:]:
         coll = e.get("collective")
         waiting = ", ".join(e.get("waiting") or []) or "none"

@@ -76,7 +76,7 @@ SUBMITTED = declare("submitted", "rlslurm submit / resume handed the job to SLUR
 CONFIG_CHANGED = declare("config_changed", "rlslurm resume --set changed the stopped run's config",
                          by="rlslurm/launch.py", required=("overrides",), informational=True)
 PREFLIGHT_FORCED = declare("preflight_forced", "submitted with --force past the plan's pre-flight problems",
-                           by="rlslurm/launch.py", required=("problems",), informational=True)
+                           by="rlslurm/launch.py", required=("problems",))
 COMPONENT_STARTED = declare("component_started", "a het-job component's first task started on its nodes",
                             by="jobs/entry.py",
                             required=("component", "component_role", "partition", "nodes", "job_kind"),

@@ -68,3 +68,8 @@ def test_a_recorded_run_is_named_as_the_cause_it_was_made_for(cause):
 
 def test_every_cause_has_a_recorded_run():
     assert set(RECORDED) == set(CAUSES), f"not recorded: {sorted(set(CAUSES) - set(RECORDED))}"
+
+
+def test_an_oom_past_a_forced_preflight_says_so():
+    (cause, *_) = classify(recorded_facts(DATA / "oom"))
+    assert cause.evidence[0].startswith("submitted with --force past the plan's pre-flight: "), cause.evidence
