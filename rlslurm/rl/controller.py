@@ -27,6 +27,7 @@ from rlslurm import events
 from rlslurm.config import JobConfig
 from rlslurm.diag.env_diff import compare, read_fingerprints
 from rlslurm.diag.guard import PhaseGuard
+from rlslurm.layout import JobLayout
 from rlslurm.reward.config import RewardConfig
 from rlslurm.rl.engines import Engines
 from rlslurm.rl.experience import Experience, GroupAssembler, choice_id
@@ -53,16 +54,15 @@ def reward_config(job: JobConfig) -> RewardConfig:
     return job.reward
 
 
-def open_reward_session(job: JobConfig, run: RunDir):
+def open_reward_session(job: JobConfig, layout: JobLayout, run: RunDir):
     """None for reward.service = inline (the controller scores); else the service's session: the reward
-    component's (announced in <run>/endpoints/reward.json) on SLURM, else a supervised one started here."""
+    component's (announced in <run>/endpoints/reward.json) on SLURM, else a supervised one started here
+    (off SLURM there is no reward component: `component` runs the same service beside the controller)."""
     if job.reward.service == "inline":
         return None
     from rlslurm.reward.session import RewardSession
 
-    # Off SLURM there is no reward component: `component` runs the same service beside the controller.
-    component = job.reward.service == "component" and os.environ.get("SLURM_HET_SIZE", "1") != "1"
-    return RewardSession.open(reward_config(job), run, diag=job.diag, component=component)
+    return RewardSession.open(reward_config(job), run, diag=job.diag, component=layout.reward_from_component)
 
 
 class Controller:
@@ -75,15 +75,16 @@ class Controller:
         # task.prompt_style / task.answer: the text an engine is sent for a task prompt, the rule it is scored by
         self.format = PromptFormat(job.task, tokenizer, model_dir=model_dir)
         self.train_set, self.held_out = make_splits(job.task)
-        self.engines = Engines(job, run, model_dir)
-        placement = "colocate" if job.placement.mode == "colocate" else "separate"
-        self.transport = transport_for(job.sync, placement_mode=placement, weights_dir=run.path / "weights",
+        # Placement, engines and sync method as the plan decided them at submit, never re-derived here.
+        self.layout = JobLayout.read(run)
+        self.engines = Engines(job, self.layout, run, model_dir)
+        self.transport = transport_for(self.layout.sync_method, job.sync, weights_dir=run.path / "weights",
                                        host=sync_host())
         self.sync = WeightSync(self.engines.clients, self.transport, job.sync, run=run)
         self.rewards = None
         self.pipeline: ExperiencePipeline | None = None  # from the first step on (start_experience)
         try:
-            self.rewards = open_reward_session(job, run)
+            self.rewards = open_reward_session(job, self.layout, run)
         except BaseException:
             self.close()  # the engines it spawned must not outlive a controller that never started
             raise

@@ -24,6 +24,7 @@ from rlslurm import events, lifecycle
 from rlslurm.config import JobConfig
 from rlslurm.dist import free_port
 from rlslurm.errors import RlslurmError
+from rlslurm.layout import JobLayout
 from rlslurm.rundir import RunDir
 
 log = logging.getLogger(__name__)
@@ -33,14 +34,14 @@ class Engines:
     """The rollout engines the controller talks to: announced by the rollout het component (separate
     placement on SLURM), or spawned here beside rank 0 (colocated, or any run off SLURM)."""
 
-    def __init__(self, job: JobConfig, run: RunDir, model_dir: Path):
+    def __init__(self, job: JobConfig, layout: JobLayout, run: RunDir, model_dir: Path):
         from rlslurm.rollout.client import EngineClient, EngineRequestError, spawn_engine
 
         self.run = run
         self.processes = []
         self.identity: dict[str, dict] = {}  # url -> node, pid, log: what an `engine_failed` event names
-        if os.environ.get("SLURM_HET_SIZE", "1") != "1":
-            urls = wait_for_endpoints(run, job.rollout.engines, job.rollout.request_timeout_s,
+        if layout.engines_from_component:
+            urls = wait_for_endpoints(run, layout.engines, job.rollout.request_timeout_s,
                                       job_id=lifecycle.leader_job_id(), restart_count=lifecycle.restart_count())
             announced = {r.get("url"): r for r in map(_read_json, (run.path / "endpoints").glob("engine-*.json"))}
             self.identity = {url: {"node": announced.get(url, {}).get("node"), "pid": announced.get(url, {}).get("pid"),
@@ -54,7 +55,7 @@ class Engines:
                 raise
         else:
             node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-            for i in range(job.rollout.engines):
+            for i in range(layout.engines):
                 port, log_path = free_port(), run.logs / f"engine-{i}.log"
                 self.identity[f"http://127.0.0.1:{port}"] = {"node": node, "log": str(log_path)}
                 try:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 import psutil
+import pytest
 import yaml
 
 from rlslurm import events, launch
@@ -76,26 +77,13 @@ def wait_until(what: str, cond: Callable[[], object], sub: launch.Submission | N
     raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
-@contextlib.contextmanager
-def _environ(env: dict[str, str]):
-    """Local tasks inherit the submitter's environment at submit time: set `env` for the submit only."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def submit(config: Path, run_root: Path, overrides: tuple[str, ...] = (), *, env: dict[str, str] | None = None,
            force: bool = False, backend: str = "local") -> launch.Submission:
     """`rlslurm submit CONFIG --set ... [--force]` as a library call, into `run_root`."""
     job = load_config(config, (*overrides, f"cluster.run_root={run_root}"))
-    with _environ(env or {}):
+    with pytest.MonkeyPatch.context() as mp:  # local tasks inherit the submitter's environment at submit
+        for key, value in (env or {}).items():
+            mp.setenv(key, value)
         return launch.submit(job, config_text=config.read_text(), backend=backend, force=force)
 
 

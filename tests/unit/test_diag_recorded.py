@@ -9,10 +9,8 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
 
-from rlslurm.diag.bundle import env_check
-from rlslurm.diag.env_diff import read_fingerprints
+from rlslurm.diag.env_diff import compare, read_fingerprints
 from rlslurm.diag.summary import Facts, classify, render
 from rlslurm.rundir import read_jsonl
 
@@ -40,10 +38,11 @@ def recorded_facts(folder: Path) -> Facts:
     """The Facts diag/bundle.py's `collect` builds, from a recorded bundle; what no file holds (the time,
     the host, which processes were alive, SLURM's state) from recorded.json."""
     meta = json.loads((folder / "recorded.json").read_text())
-    config_path = folder / "run" / "config.yaml"
-    config = yaml.safe_load(config_path.read_text()) if config_path.is_file() else None
     fps = read_fingerprints(folder / "env") if (folder / "env").is_dir() else {}
-    diff = env_check(config, fps)
+    # As the bundle does: the sync method the plan decided (layout.json), else as strictly as broadcast.
+    layout = folder / "run" / "layout.json"
+    diff = compare(fps, sync_method=json.loads(layout.read_text())["sync_method"] if layout.is_file()
+                   else "broadcast") if fps else None
     alive = set(meta["alive"])
     logs = {str(p.relative_to(folder / "logs"))[: -len(".tail")]: p.read_text()
             for p in sorted((folder / "logs").rglob("*.tail"))}

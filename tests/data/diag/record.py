@@ -9,7 +9,8 @@ facts that are planted); then `rlslurm diag`'s own collector (diag/bundle.py: re
 it, the classifier must name the cause the run was made for (else nothing is written), and the bundle's
 evidence goes to tests/data/diag/<cause>/:
 
-    run/events.jsonl, run/config.yaml     the run's events and resolved config
+    run/events.jsonl, run/config.yaml     the run's events, resolved config and layout (what the plan
+    run/layout.json                       decided: placement, sync method, engines)
     heartbeats/*.json, env/*.json         every process's last heartbeat and env fingerprint
     logs/**.tail                          the last LOG_LINES lines of every log (not submitit's pickles)
     recorded.json                         what no file holds: when (`recorded_at`), on which host, which
@@ -44,7 +45,7 @@ from rlslurm.rundir import RunDir  # noqa: E402
 
 LOG_LINES = 60
 """Lines kept of each log: the cause is in the tail, and the files stay small."""
-KEPT = ("run/events.jsonl", "run/config.yaml", "heartbeats/", "env/", "logs/")
+KEPT = ("run/events.jsonl", "run/config.yaml", "run/layout.json", "heartbeats/", "env/", "logs/")
 
 
 def record(cause: str, made: failures.Made, how, out_root: Path = HERE) -> dict:
