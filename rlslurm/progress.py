@@ -32,7 +32,7 @@ NOTABLE = {
     events.HANG_DETECTED: "hang detected: {message}",
     events.HANG_ACTION: "hang: {action}",
     events.REQUEUE: "requeued",
-    events.REQUEUE_FAILED: "requeue failed: {reason}",
+    events.REQUEUE_FAILED: "requeue failed: {error}",
     events.STEP_ABANDONED: "step {step} abandoned: {reason}",
     events.SYNC_FAILED: "weight sync failed at version {version}",
     events.SYNC_VERIFY_FAILED: "weight sync to version {version} failed VERIFY on {engine}",

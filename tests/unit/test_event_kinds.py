@@ -320,3 +320,19 @@ def test_old_run_directories_still_read(tmp_path):
 def test_the_event_table_in_docs_is_current():
     assert (ROOT / "docs" / "events.md").read_text() == events.markdown(), \
         "docs/events.md is stale: python -m rlslurm.events > docs/events.md"
+
+
+def test_the_progress_line_says_only_fields_its_kinds_declare():
+    """progress.NOTABLE's templates name event fields: each must be one its kind declares (a field it does
+    not carry shows as "?" on every line)."""
+    from string import Formatter
+
+    from rlslurm.progress import NOTABLE
+
+    wrong = []
+    for kind, template in NOTABLE.items():
+        named = {f for _, f, _, _ in Formatter().parse(template) if f}
+        declared = {*events.BASE_FIELDS, *kind.required, *kind.optional}
+        if not kind.open_fields and named - declared:
+            wrong.append(f"{kind.name}: {template!r} names {sorted(named - declared)}")
+    assert not wrong, "\n".join(wrong)
