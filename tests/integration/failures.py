@@ -8,8 +8,8 @@ backend: real ranks, engines, reward service; `cluster_*`: the real local Slurm)
 Used by tests/integration/test_diag_causes.py (the two causes that need it: reward service down, weight-sync
 verify failure) and by tests/data/diag/record.py, which records each run's events, heartbeats and log tails
 under tests/data/diag/<cause>/ for tests/unit/test_diag_recorded.py. Every failure is the real thing, with
-two planted facts, both said where they are planted: `env_mismatch` edits the torch version in the train
-ranks' env fingerprints between their writing and the controller's check (this machine has one torch);
+two planted facts, both said where they are planted: `env_mismatch` plants an engine fingerprint with
+another torch (this machine has one torch, and an engine spawned off SLURM writes no fingerprint);
 `sync_failure` corrupts a tensor in flight through the transports' own fault hook (RLSLURM_SYNC_CORRUPT,
 rlslurm/sync/buckets.py: the copy on the wire, never the trainer's tensor).
 """

@@ -1,6 +1,6 @@
 """Record a real run of each failure `rlslurm diag` names, for the classifier's tests.
 
-    .venv/bin/python tests/data/diag/record.py                      # every local cause (~5 min on 2 cores)
+    .venv/bin/python tests/data/diag/record.py                      # every local cause (~8 min on 2 busy cores)
     .venv/bin/python tests/data/diag/record.py reward_down hang     # some of them
     RLSLURM_SLURM_PORT_BASE=31817 .venv/bin/python tests/data/diag/record.py --cluster   # + the SLURM causes (root)
 
