@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from rlslurm import events as ev
-from rlslurm.diag.heartbeat import label, pid_alive, this_host
+from rlslurm.diag.heartbeat import label, pid_alive
+from rlslurm.node import node_name
 
 
 @dataclass
@@ -38,7 +39,7 @@ class Facts:
     """State from scontrol / sacct: RUNNING, COMPLETED, FAILED, TIMEOUT, PREEMPTED, NODE_FAIL, OUT_OF_MEMORY ..."""
     env_errors: list[str] = field(default_factory=list)
     now: float = field(default_factory=time.time)
-    host: str = field(default_factory=this_host)
+    host: str = field(default_factory=node_name)
     pid_alive: Callable[[dict], bool] = pid_alive
     """Whether a heartbeat's process (on `host`) still runs; a replay of a recorded run injects what was seen."""
 

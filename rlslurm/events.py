@@ -19,12 +19,12 @@ by these constants, never by strings.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import time
 from dataclasses import dataclass
 from typing import Iterable
 
+from rlslurm.node import node_name
 from rlslurm.rundir import RunDir, read_jsonl
 
 BASE_FIELDS = ("t", "kind", "host", "pid", "role", "rank")
@@ -218,7 +218,7 @@ def emit(run: RunDir, kind: EventKind | str, **fields) -> dict:
     record = {
         "t": time.time(),
         "kind": kind.name,
-        "host": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
+        "host": node_name(),
         "pid": os.getpid(),
         "role": fields.pop("role", os.environ.get("RLSLURM_ROLE", "main")),
         "rank": fields.pop("rank", int(os.environ.get("RLSLURM_RANK", "0"))),

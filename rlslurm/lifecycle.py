@@ -10,7 +10,7 @@ Exit codes of a job process (`ExitCode`), and what the batch script / launcher d
     77 NO_PROGRESS    N starts in a row resumed from the same step:      -> nothing: stop the storm
                       it gave up requeueing itself
 
-75 is sysexits' EX_TEMPFAIL ("try again later"); 76/77 follow it, clear of the CLI's error codes (1-9,
+75 is sysexits' EX_TEMPFAIL ("try again later"); 76/77 follow it, clear of the CLI's error codes (1-10,
 rlslurm/errors.py) and of the 128+N of a death by signal.
 
 Start: `on_start(run, restart_count, step=..., checkpoint=...)` (rank 0, after picking the checkpoint)
@@ -27,13 +27,13 @@ the measured cost C (x margin) fits in what is left of KillWait; otherwise the p
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Callable, Mapping
 
 from rlslurm import events
 from rlslurm.errors import SlurmCommandError
+from rlslurm.node import node_name
 from rlslurm.rundir import RunDir, read_jsonl
 
 
@@ -101,7 +101,7 @@ def on_start(run: RunDir, restart_count: int, *, step: int, checkpoint: str | No
         if record.get("step") != step:
             break
         fruitless += 1
-    run.record_start(job_id=leader_job_id(e), restart_count=restart_count, host=socket.gethostname(),
+    run.record_start(job_id=leader_job_id(e), restart_count=restart_count, host=node_name(),
                      pid=os.getpid(), step=step, checkpoint=checkpoint)
     if fruitless >= max_no_progress_restarts:
         events.emit(run, events.NO_PROGRESS, step=step, checkpoint=checkpoint, restart_count=restart_count,

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -40,6 +39,7 @@ import torch
 from rlslurm.diag.guard import PhaseGuard
 from rlslurm.errors import ConfigError, RlslurmError
 from rlslurm.modelspec import ModelConfig
+from rlslurm.node import node_name
 from rlslurm.rl.experience import Sample
 from rlslurm.rl.policy import RLPolicy
 
@@ -80,7 +80,7 @@ def require_cuda() -> None:
         return
     build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
     raise RlslurmError(
-        f"train.backend = 'megatron' needs a CUDA GPU on every trainer rank; {socket.gethostname()} has none "
+        f"train.backend = 'megatron' needs a CUDA GPU on every trainer rank; {node_name()} has none "
         f"visible (torch {torch.__version__}, {build}). Set train.backend = torch to train on CPU, or run on GPU "
         "nodes in a venv with the [gpu] extra (pip install -e '.[gpu]'; docs/gpu.md)")
 

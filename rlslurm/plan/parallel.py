@@ -8,27 +8,31 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlslurm.configfile import check
+from rlslurm.configfile import check_range
 
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     tp: int = 1
-    """Tensor-parallel size: ranks that split every matrix (stays inside a node)."""
+    """Tensor-parallel size: ranks that split every matrix (stays inside a node). Range [1, 64]."""
     pp: int = 1
-    """Pipeline-parallel size: stages that split the layers."""
+    """Pipeline-parallel size: stages that split the layers. Range [1, 1024]."""
     cp: int = 1
-    """Context-parallel size: ranks that split the sequence."""
+    """Context-parallel size: ranks that split the sequence. Range [1, 1024]."""
     ep: int = 1
-    """Expert-parallel size: ranks that split the routed experts (must divide DP)."""
+    """Expert-parallel size: ranks that split the routed experts (must divide DP). Range [1, 4096]."""
     micro_batch_size: int = 1
-    """Sequences per micro-batch on one rank."""
+    """Sequences per micro-batch on one rank. Range [1, 65536]."""
     seq_len: int = 64
-    """Training sequence length in tokens."""
+    """Training sequence length in tokens. Range [1, 1e8]."""
 
     def __post_init__(self):
-        for name in ("tp", "pp", "cp", "ep", "micro_batch_size", "seq_len"):
-            check(getattr(self, name) >= 1, name, "must be >= 1")
+        check_range(self.tp, "tp", 1, 64)
+        for name in ("pp", "cp"):
+            check_range(getattr(self, name), name, 1, 1024)
+        check_range(self.ep, "ep", 1, 4096)
+        check_range(self.micro_batch_size, "micro_batch_size", 1, 65_536)
+        check_range(self.seq_len, "seq_len", 1, 10**8, note="tokens")
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from rlslurm.plan.decode import (KVCache, RolloutCapacity, capacity, kv_cache, r
                                  weights_gb)
 from rlslurm.plan.memory import TrainerMemory, trainer_memory
 from rlslurm.plan.parallel import Rule, static_rules
-from rlslurm.plan.placement import Colocate, colocate
+from rlslurm.plan.placement import Colocate, colocate, stated_placement
 from rlslurm.plan.quantity import Q
 from rlslurm.plan.splits import Split, advice, all_splits, recommend
 from rlslurm.plan.steptime import (Amortisation, RewardPhase, StepSplit, SyncMethod, amortise, reward_phase,
@@ -68,23 +68,17 @@ class Plan:
 
 
 def _choose(job: JobConfig, splits: list[Split], best: int | None) -> tuple[Literal["colocate", "separate"], Split]:
+    """The placement and split: as the config states it, else (placement.mode auto) by the numbers."""
     pl = job.placement
-    if pl.mode == "colocate":
+    stated = stated_placement(pl)
+    if stated == "colocate":
         return "colocate", splits[0]
     if pl.rollout_nodes is not None and pl.rollout_nodes > 0:
         return "separate", splits[pl.rollout_nodes]
-    if pl.mode == "separate" and best:
-        return "separate", splits[best]
-    if pl.mode == "separate":
+    if stated == "separate":
         # Nothing can leave training: keep the split whose problems preflight will name.
-        return "separate", splits[min(1, len(splits) - 1)]
+        return "separate", splits[best] if best else splits[min(1, len(splits) - 1)]
     return ("separate", splits[best]) if best else ("colocate", splits[0])
-
-
-def _sync_method(job: JobConfig, placement: str) -> SyncMethod:
-    if job.sync.method != "auto":
-        return job.sync.method
-    return "ipc" if placement == "colocate" else "broadcast"
 
 
 def build_plan(job: JobConfig) -> Plan:
@@ -107,7 +101,7 @@ def build_plan(job: JobConfig) -> Plan:
     if placement == "separate" and chosen.rollout_gpus:
         cap = capacity(weights, kv, hw, job.rollout, chosen.rollout_gpus, job.placement.engine_overhead_gb)
     syncs = sync_times(weights, hw)
-    sync_method = _sync_method(job, placement)
+    sync_method = job.sync.resolved_method(placement)
     reward = reward_phase(job.rl, job.reward, job.timing)
     offload_s = 0.0 if colo.fits_without_offload or colo.train_verdict == "invalid" else colo.offload_per_step_s.value
     separate_train = chosen.train_step if placement == "separate" else None

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from rlslurm.config import JobConfig
 from rlslurm.dist import free_port
 from rlslurm.errors import RlslurmError
 from rlslurm.layout import JobLayout
+from rlslurm.node import node_name
 from rlslurm.rundir import RunDir
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ class Engines:
                 self.failed(e)
                 raise
         else:
-            node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+            node = node_name()
             for i in range(layout.engines):
                 port, log_path = free_port(), run.logs / f"engine-{i}.log"
                 self.identity[f"http://127.0.0.1:{port}"] = {"node": node, "log": str(log_path)}

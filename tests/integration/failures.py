@@ -20,7 +20,6 @@ import contextlib
 import json
 import os
 import signal
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -35,6 +34,7 @@ from rlslurm.errors import RlslurmError
 from rlslurm.jobs.toytrain import FAIL_ENV, STALL_ENV
 from rlslurm.rundir import RunDir, read_jsonl
 from rlslurm.sync.buckets import CORRUPT_ENV
+from waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 RL_EXAMPLE = ROOT / "examples" / "tiny-grpo.yaml"
@@ -64,17 +64,15 @@ class Made:
 
 
 def wait_until(what: str, cond: Callable[[], object], sub: launch.Submission | None = None,
-               timeout_s: float = WAIT_S, poll_s: float = 0.1):
-    """Poll `cond` until truthy and return its value; at most timeout_s, and not past the end of `sub`'s job."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+               timeout_s: float = WAIT_S):
+    """tests/waiting.py's wait_for, which also gives up as soon as `sub`'s job has ended."""
+    def check():
         value = cond()
-        if value:
-            return value
-        if sub is not None and sub.job.done():
+        if not value and sub is not None and sub.job.done():
             raise AssertionError(f"job {sub.job_id} ended while waiting for {what}; see {sub.run_dir}")
-        time.sleep(poll_s)
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        return value
+
+    return wait_for(what, check, timeout_s)
 
 
 def submit(config: Path, run_root: Path, overrides: tuple[str, ...] = (), *, env: dict[str, str] | None = None,
@@ -304,7 +302,8 @@ def node_failure(root: Path) -> Made:
 
     def node_back() -> None:
         commands.scancel(sub.job_id)
-        wait_until(f"job {sub.job_id} gone", lambda: _slurm_state(sub.job_id) not in ("PENDING", "COMPLETING"), 60)
+        wait_until(f"job {sub.job_id} gone", lambda: _slurm_state(sub.job_id) not in ("PENDING", "COMPLETING"),
+                   timeout_s=60)
         commands.scontrol("update", f"NodeName={node}", "State=IDLE")
 
     return Made(sub.run_dir, slurm=True, stops=[node_back])

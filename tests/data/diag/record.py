@@ -35,12 +35,13 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "integration"))
+sys.path[:0] = [str(ROOT / "tests" / "integration"), str(ROOT / "tests")]  # failures.py, and its waiting.py
 
 import failures  # noqa: E402  (tests/integration/failures.py)
 
 from rlslurm.diag.bundle import collect  # noqa: E402
-from rlslurm.diag.heartbeat import pid_alive, read_heartbeats, this_host  # noqa: E402
+from rlslurm.diag.heartbeat import pid_alive, read_heartbeats  # noqa: E402
+from rlslurm.node import node_name  # noqa: E402
 from rlslurm.rundir import RunDir  # noqa: E402
 
 LOG_LINES = 60
@@ -51,7 +52,7 @@ KEPT = ("run/events.jsonl", "run/config.yaml", "run/layout.json", "heartbeats/",
 def record(cause: str, made: failures.Made, how, out_root: Path = HERE) -> dict:
     """Bundle `made.run` as `rlslurm diag` does, check the cause, and write tests/data/diag/<cause>/."""
     run = RunDir(made.run)
-    alive = sorted(hb["file"] for hb in read_heartbeats(run) if hb.get("host") == this_host() and pid_alive(hb))
+    alive = sorted(hb["file"] for hb in read_heartbeats(run) if hb.get("host") == node_name() and pid_alive(hb))
     with tempfile.TemporaryDirectory() as tmp:
         bundle = collect(run.path, out_dir=Path(tmp), live=False, slurm=made.slurm, log_tail_lines=LOG_LINES)
         recorded_at = time.time()
@@ -68,7 +69,7 @@ def record(cause: str, made: failures.Made, how, out_root: Path = HERE) -> dict:
                     (out / name).write_bytes(tar.extractfile(member).read())
         summary = json.loads(tar_member(bundle.path, "summary.json"))
     meta = {"cause": cause, "made_by": f"tests/integration/failures.py:{how.__name__}",
-            "made_how": " ".join((how.__doc__ or "").split()), "recorded_at": recorded_at, "host": this_host(),
+            "made_how": " ".join((how.__doc__ or "").split()), "recorded_at": recorded_at, "host": node_name(),
             "alive": alive, "slurm_state": summary["slurm_state"], "headline": bundle.causes[0].headline}
     (out / "recorded.json").write_text(json.dumps(meta, indent=1) + "\n")
     return meta
