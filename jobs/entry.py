@@ -59,7 +59,7 @@ def _start_components(run: RunDir, kind: str) -> list:
         argv = [sys.executable, "-m", "rlslurm.jobs.entry", "--run-dir", str(run.path), "--role", role]
         out = run.logs / f"{role}-%j-%t.log"
         steps.append(hetjob.launch_component(comp.group, argv, output=str(out), srun_args=["--open-mode=append"]))
-        events.emit(run, "component_started", component=comp.group, component_role=role, partition=comp.partition,
+        events.emit(run, events.COMPONENT_STARTED, component=comp.group, component_role=role, partition=comp.partition,
                     nodes=list(comp.nodes), job_kind=kind)
     return steps
 
