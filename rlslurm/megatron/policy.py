@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 from functools import partial
 from pathlib import Path
 
@@ -41,6 +40,7 @@ import torch
 from rlslurm.diag.guard import PhaseGuard
 from rlslurm.errors import ConfigError, RlslurmError
 from rlslurm.modelspec import ModelConfig
+from rlslurm.node import node_name
 from rlslurm.rl.batches import micro_batch_counts, micro_batches, mini_batches, share_sizes
 from rlslurm.rl.experience import Sample
 from rlslurm.rl.objective import Packed, UpdateStats, behaviour_logprobs, grpo_objective, pack
@@ -86,7 +86,7 @@ def require_cuda() -> None:
         return
     build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
     raise RlslurmError(
-        f"train.backend = 'megatron' needs a CUDA GPU on every trainer rank; {socket.gethostname()} has none "
+        f"train.backend = 'megatron' needs a CUDA GPU on every trainer rank; {node_name()} has none "
         f"visible (torch {torch.__version__}, {build}). Set train.backend = torch to train on CPU, or run on GPU "
         "nodes in a venv with the [gpu] extra (pip install -e '.[gpu]'; docs/gpu.md)")
 

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-from rlslurm.configfile import check
+from rlslurm.configfile import check, check_range
 from rlslurm.modelspec import ModelConfig, ParamCounts
 from rlslurm.plan.parallel import ParallelConfig
 from rlslurm.plan.quantity import Q, gb, params
@@ -20,40 +20,45 @@ from rlslurm.plan.quantity import Q, gb, params
 @dataclass(frozen=True, kw_only=True)
 class MemoryConfig:
     weight_bytes: float = 2.0
-    """Bytes per parameter of the resident weights (bf16 = 2)."""
+    """Bytes per parameter of the resident weights (bf16 = 2). Range [0, 64]."""
     grad_bytes: float = 4.0
-    """Bytes per parameter of the gradient buffer (Megatron keeps fp32 main grads with bf16: 4)."""
+    """Bytes per parameter of the gradient buffer (Megatron keeps fp32 main grads with bf16: 4). Range [0, 64]."""
     optimizer_bytes: float = 12.0
-    """Bytes per parameter of optimizer state (fp32 master 4 + Adam m 4 + v 4)."""
+    """Bytes per parameter of optimizer state (fp32 master 4 + Adam m 4 + v 4). Range [0, 256]."""
     distributed_optimizer: bool = True
     """Shard optimizer state over DP (dense) and DP/EP (experts), as Megatron's distributed optimizer."""
     recompute: Literal["none", "selective", "full"] = "selective"
     """Activation recomputation: none keeps all, selective drops attention internals, full keeps layer inputs."""
     activation_gb: float | None = None
-    """Override: activations + temporaries per GPU in GB, as measured; null = computed from the shape."""
+    """Override: activations + temporaries per GPU in GB, as measured; null = computed from the shape.
+    Range [0, 1000000]."""
     logits_gb: float | None = None
-    """Override: logits + cross-entropy memory in GB (included in activations); null = computed."""
+    """Override: logits + cross-entropy memory in GB (included in activations); null = computed. Range [0, 1000000]."""
     fused_ce: bool = False
     """A fused cross-entropy kernel that never materialises the full logits (saves logits_gb)."""
     temporaries_gb: float = 2.0
-    """Communication buffers and allocator slack when activations are computed, in GB."""
+    """Communication buffers and allocator slack when activations are computed, in GB (unused when
+    activation_gb is set). Range [0, 1000000]."""
     other_resident_gb: float = 0.0
-    """Resident memory not modelled by the parameter terms (CUDA context, NCCL buffers), in GB."""
+    """Resident memory not modelled by the parameter terms (CUDA context, NCCL buffers), in GB. Range [0, 1000000]."""
     tight_headroom_pct: float = 10.0
-    """Headroom below this share of GPU memory is `tight`."""
+    """Headroom below this share of GPU memory is `tight`. Range [0, 100], below 100 and at least
+    not_advised_headroom_pct."""
     not_advised_headroom_pct: float = 5.0
-    """Headroom below this share is `not advised` (one long sample OOMs); below 0 is `OOM`."""
+    """Headroom below this share is `not advised` (one long sample OOMs); below 0 is `OOM`. Range [0, 100]."""
     measured_recompute: Literal["none", "selective", "full"] | None = None
     """The recompute mode under which memory.activation_gb and timing.train_step_s were measured; null =
     memory.recompute. When memory.recompute differs, the plan rescales both: the activations by the
     difference of the shape's layer terms, the train step by the recompute cost (rlslurm/plan/recompute.py)."""
 
     def __post_init__(self):
-        for name in ("weight_bytes", "grad_bytes", "optimizer_bytes", "temporaries_gb", "other_resident_gb"):
-            check(getattr(self, name) >= 0, name, "must be >= 0")
-        for name in ("activation_gb", "logits_gb"):
-            value = getattr(self, name)
-            check(value is None or value >= 0, name, "must be >= 0 (GB)")
+        for name in ("weight_bytes", "grad_bytes"):
+            check_range(getattr(self, name), name, 0, 64, note="bytes per parameter")
+        check_range(self.optimizer_bytes, "optimizer_bytes", 0, 256, note="bytes per parameter")
+        for name in ("activation_gb", "logits_gb", "temporaries_gb", "other_resident_gb"):
+            check_range(getattr(self, name), name, 0, 1_000_000, note="GB")
+        for name in ("tight_headroom_pct", "not_advised_headroom_pct"):
+            check_range(getattr(self, name), name, 0, 100, note="% of GPU memory")
         check(0 <= self.not_advised_headroom_pct <= self.tight_headroom_pct < 100, "tight_headroom_pct",
               f"must satisfy 0 <= memory.not_advised_headroom_pct ({self.not_advised_headroom_pct}) "
               f"<= memory.tight_headroom_pct ({self.tight_headroom_pct}) < 100")

@@ -11,33 +11,38 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlslurm.configfile import check
+from rlslurm.configfile import check_range
 
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     tp: int = 1
-    """Tensor-parallel size: ranks that split every matrix (stays inside a node)."""
+    """Tensor-parallel size: ranks that split every matrix (stays inside a node). Range [1, 64]."""
     pp: int = 1
-    """Pipeline-parallel size: stages that split the layers."""
+    """Pipeline-parallel size: stages that split the layers. Range [1, 1024]."""
     cp: int = 1
-    """Context-parallel size: ranks that split the sequence."""
+    """Context-parallel size: ranks that split the sequence. Range [1, 1024]."""
     ep: int = 1
-    """Expert-parallel size: ranks that split the routed experts (must divide DP)."""
+    """Expert-parallel size: ranks that split the routed experts (ETP x EP x PP must divide the training GPUs;
+    with CP = 1 and ETP = TP: EP divides DP). Range [1, 4096]."""
     micro_batch_size: int = 1
     """Sequences per micro-batch on one rank: one forward + backward of either RL trainer (torch and Megatron),
     gradients accumulated up to the mini-batch's optimizer step (rl.mini_batches); the plan's activation
-    memory is that of this many sequences."""
+    memory is that of this many sequences. Range [1, 65536]."""
     seq_len: int = 64
-    """Training sequence length in tokens."""
+    """Training sequence length in tokens. Range [1, 1e8]."""
     etp: int | None = None
     """Expert tensor-parallel size: ranks that split each expert's matrices; null = parallel.tp (Megatron's
     default). Range [1, 64]."""
 
     def __post_init__(self):
-        for name in ("tp", "pp", "cp", "ep", "micro_batch_size", "seq_len"):
-            check(getattr(self, name) >= 1, name, "must be >= 1")
-        check(self.etp is None or 1 <= self.etp <= 64, "etp", "must be in [1, 64] (or null: parallel.tp)")
+        check_range(self.tp, "tp", 1, 64)
+        for name in ("pp", "cp"):
+            check_range(getattr(self, name), name, 1, 1024)
+        check_range(self.ep, "ep", 1, 4096)
+        check_range(self.micro_batch_size, "micro_batch_size", 1, 65_536)
+        check_range(self.seq_len, "seq_len", 1, 10**8, note="tokens")
+        check_range(self.etp, "etp", 1, 64, note="null: parallel.tp")
 
     @property
     def expert_tp(self) -> int:

@@ -1,6 +1,6 @@
-"""Admission and batching in front of one engine: the drain gate and the request batcher.
+"""Admission and batching in front of one engine: the admission gate and the request batcher.
 
-DrainGate lifecycle: serving -> drain() -> draining (new requests refused) -> drained (in-flight
+AdmissionGate lifecycle: serving -> drain() -> draining (new requests refused) -> drained (in-flight
 reached zero, bounded by timeout_s) -> resume() -> serving. The weight-sync protocol drives it.
 
 Batcher lifecycle: start() spawns one thread that blocks on the request queue; submit() returns a
@@ -24,8 +24,12 @@ from rlslurm.rollout.engine import Engine, SamplingParams
 log = logging.getLogger(__name__)
 
 
-class DrainGate:
-    """Counts requests in flight and refuses new ones while draining or drained."""
+class AdmissionGate:
+    """Counts requests in flight and refuses new ones while draining or drained.
+
+    Not the job's drain gate (diag/drain_gate.py DrainGate, "stop taking work and leave"): this one
+    closes one engine's door for the length of a weight update.
+    """
 
     def __init__(self):
         self._cond = threading.Condition()

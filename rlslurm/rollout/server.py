@@ -35,7 +35,7 @@ from fastapi import Body, FastAPI, HTTPException
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-from rlslurm.rollout.batcher import Batcher, DrainGate
+from rlslurm.rollout.batcher import AdmissionGate, Batcher
 from rlslurm.rollout.engine import Engine, HFEngine, SamplingParams, WeightLoadError
 from rlslurm.sync import disk, ipc
 from rlslurm.sync.broadcast import BroadcastGroup
@@ -65,11 +65,11 @@ def _prompts(prompt) -> list:
 
 
 class EngineServer:
-    """The server's state: engine, drain gate, batcher, and the sync bookkeeping."""
+    """The server's state: engine, admission gate, batcher, and the sync bookkeeping."""
 
     def __init__(self, engine: Engine, *, keep_previous: bool = True, max_batch_prompts: int = 256):
         self.engine = engine
-        self.gate = DrainGate()
+        self.gate = AdmissionGate()
         self.batcher = Batcher(engine, max_batch_prompts=max_batch_prompts)
         self.keep_previous = keep_previous
         self.previous: dict[str, torch.Tensor] | None = None  # last verified weights, for rollback

@@ -86,13 +86,17 @@ def test_colocation_needing_offload_is_shown_never_chosen_and_refused_when_asked
     assert ipc.step.offload_s == pytest.approx(1.19, abs=0.01)
     assert plan.placement == "separate"
     runner_up, faster = plan.alternatives()
-    assert faster is ipc and (runner_up.placement, runner_up.method) == ("separate", "disk")
+    # sync.method auto is broadcast where separate (SyncConfig.resolved_method): the next is 2 nodes of it.
+    assert faster is ipc and (runner_up.placement, runner_up.split.rollout_nodes, runner_up.method) == (
+        "separate", 2, "broadcast")
     text = render_text(plan)
     assert re.search(r"colocate +0 +ipc .* 381\.2 .* not runnable yet", text), text
     assert "faster but not runnable yet: colocate, ipc sync: 381.2 s/step (-31.59 s)" in text
+    assert "next: separate, 2 rollout node(s), broadcast sync: 462.8 s/step (+50.00 s, +12.1 %)" in text
 
     job = plan.job
-    forced = dataclasses.replace(job, placement=dataclasses.replace(job.placement, mode="colocate"))
+    forced = dataclasses.replace(job, placement=dataclasses.replace(job.placement, mode="colocate"),
+                                 reward=dataclasses.replace(job.reward, service="local", partition=None))
     problems = preflight(build_plan(forced))
     assert len(problems) == 1 and "does not do yet" in problems[0] and "placement.mode: separate" in problems[0]
 
@@ -143,7 +147,6 @@ def test_world_rules_list_the_dense_and_the_expert_grid_together():
     job = load_mapping(JobConfig, {"hardware": {"profile": "h100-80g", "nodes": 2, "gpus_per_node": 10},
                                    "model": {"experts": 8, "topk": 2, "heads": 4},
                                    "parallel": {"tp": 2, "cp": 3, "ep": 4, "seq_len": 96},
-                                   "rollout": {"tp": 2},
                                    "placement": {"mode": "auto"}})
     problems = preflight(build_plan(job))
     assert sum("does not divide 20 training GPUs" in p for p in problems) == 2, problems
