@@ -5,53 +5,23 @@ Llama-style: RoPE, SwiGLU (gated SiLU MLP), RMSNorm, grouped-query attention, no
 no shared expert, no auxiliary loss at inference). Embeddings tied or not per `model.tie_embeddings`.
 The HF twin of this model is `convert.hf_config(model)`.
 
-On CPU (CI) four things in megatron-core 0.16 assume CUDA or Transformer Engine; they are patched only
-when no GPU is present:
-  - the global memory buffer asks `torch.cuda.current_device()` for its device -> "cpu";
-  - the MoE router tests `te_general_gemm is not None`, a name bound only when TE imports -> None;
-  - the alltoall token dispatcher creates a `torch.cuda.Stream` -> the "allgather" dispatcher on CPU;
-  - a tied LM head on the last of several PP stages is moved with `.cuda()` before its initial
-    all-reduce -> `Tensor.cuda` is the identity while `build_gpt_model` runs.
-The first two are `apply_cpu_shims`.
-The fused softmax has no causal-mask fallback, so `forward_logits` always passes an explicit mask.
-Megatron's optimizer, DDP buffers and pipeline schedules stay CUDA-only: on CPU this module is for the
-model, its state-dict layout and the conversion (rlslurm/megatron/convert.py), not for training.
+The same model on both devices: on CPU megatron-core's CUDA assumptions are answered by the shims of
+rlslurm/megatron/device.py (`on_device`, `apply_cpu_shims`), and the alltoall MoE token dispatcher (it
+creates a `torch.cuda.Stream`) gives way to the "allgather" one. Kernel fusions are chosen from what
+imports (rlslurm/megatron/fusions.py): on a GPU without Megatron's fused softmax kernels the masked
+softmax is torch's, as on CPU. `forward_logits` always passes an explicit causal mask (the fused softmax
+has no causal-mask fallback).
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import torch
 import torch.nn.functional as F
 
 from rlslurm.megatron.convert import NORM_EPS, ROPE_BASE, Layout
+from rlslurm.megatron.device import apply_cpu_shims, on_device
+from rlslurm.megatron.fusions import choose_fusions, flags
 from rlslurm.modelspec import ModelConfig
-
-
-def apply_cpu_shims() -> None:
-    """Patch megatron-core's CUDA/TE assumptions so the model builds and runs on CPU (idempotent)."""
-    if torch.cuda.is_available():
-        return
-    torch.cuda.current_device = lambda: "cpu"
-    import megatron.core.transformer.moe.moe_utils as moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-
-
-@contextlib.contextmanager
-def _tensor_cuda_is_identity():
-    """While building on CPU: a tied LM head on the last PP stage is synced with `weight.data.cuda()`."""
-    if torch.cuda.is_available():
-        yield
-        return
-    original = torch.Tensor.cuda
-    torch.Tensor.cuda = lambda self, *args, **kwargs: self
-    try:
-        yield
-    finally:
-        torch.Tensor.cuda = original
 
 
 def init_parallel(layout: Layout, seed: int = 0) -> None:
@@ -76,14 +46,16 @@ def init_parallel(layout: Layout, seed: int = 0) -> None:
     model_parallel_cuda_manual_seed(seed, inference_rng_tracker=not torch.cuda.is_available())
 
 
-def transformer_config(model: ModelConfig, layout: Layout, dtype: torch.dtype = torch.float32, **overrides):
-    """Megatron's TransformerConfig for `model` split by `layout` (fusions off where CPU lacks them).
+def transformer_config(model: ModelConfig, layout: Layout, dtype: torch.dtype = torch.float32, *,
+                       on_gpu: bool | None = None, **overrides):
+    """Megatron's TransformerConfig for `model` split by `layout`, its fusions those whose kernels import
+    (fusions.py; `on_gpu` None = whether this process sees a GPU).
 
     `overrides` are further TransformerConfig fields (the trainer's recompute settings)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     layout.check(model)
-    on_gpu = torch.cuda.is_available()
+    on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
     moe = {}
     if model.experts:
         moe = dict(
@@ -118,12 +90,7 @@ def transformer_config(model: ModelConfig, layout: Layout, dtype: torch.dtype = 
         pipeline_dtype=dtype,  # activations sent between stages
         bf16=dtype == torch.bfloat16,
         use_cpu_initialization=not on_gpu,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=on_gpu,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
-        apply_rope_fusion=False,
+        **flags(choose_fusions(on_gpu=on_gpu)),
         **moe,
     )
     return TransformerConfig(**{**kwargs, **overrides})
@@ -140,11 +107,10 @@ def build_gpt_model(model: ModelConfig, layout: Layout, dtype: torch.dtype = tor
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    apply_cpu_shims()
     config = transformer_config(model, layout, dtype, **config_overrides)
     # The local (non-TE) spec: its state-dict names are the ones convert.py maps.
     spec = get_gpt_layer_local_spec(num_experts=model.experts or None, normalization="RMSNorm")
-    with _tensor_cuda_is_identity():
+    with on_device():
         gpt = GPTModel(
             config=config,
             transformer_layer_spec=spec,

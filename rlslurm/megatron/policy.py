@@ -1,7 +1,7 @@
-"""`train.backend = megatron`: the RL policy on Megatron-core (GPU only), beside rlslurm/rl/policy.py's torch Policy.
+"""`train.backend = megatron`: the RL policy on Megatron-core, beside rlslurm/rl/policy.py's torch Policy.
 
     policy = MegatronPolicy(job, topo, model_dir)      # rlslurm/rl/policy.py's make_policy picks it by train.backend
-    stats = policy.update(samples, guard)              # rl.mini_batches clipped GRPO steps; peak GPU memory in the stats
+    stats = policy.update(samples, guard)              # rl.mini_batches clipped GRPO steps; peak memory in the stats
     weights = policy.weights()                         # rank 0: {HF name: fp32 tensor}, what the engines serve
 
 The same interface as the torch Policy, so the RL loop does not know which one trains:
@@ -12,8 +12,8 @@ The same interface as the torch Policy, so the RL loop does not know which one t
     rank takes every optimizer step, also one where its share is empty (a zero-weight row stands in), so
     no rank's weights fall behind.
   - `weights()` are the HF-named tensors of convert.export_hf, gathered over TP by every rank at the end
-    of `update` (the RL loop asks rank 0 alone, and export_hf is collective) and kept on rank 0's GPU as
-    fp32, the dtype the engines serve (rollout server's --dtype float32) and VERIFY compares.
+    of `update` (the RL loop asks rank 0 alone, and export_hf is collective) and kept on rank 0's device
+    as fp32, the dtype the engines serve (rollout server's --dtype float32) and VERIFY compares.
   - `model` is an HF view (`HFView`): rlslurm/rl/checkpointing.py loads a checkpoint's HF tensors into it (every rank)
     and exports it with `save_hf` (rank 0). `optimizer` checkpoints the step count (rank 0) and, through
     `save_shards` on every rank, its share of Adam's moments and of the fp32 master weights.
@@ -22,10 +22,10 @@ The model's shape is read from the checkpoint's config.json (what train.init_fro
 wrote), with its RMSNorm epsilon; precision, recompute and the distributed optimizer follow `memory:`,
 so the plan's memory prediction describes the trainer that runs (bench/gpu_smoke.py compares them).
 
-What runs where: the CUDA check (`require_cuda`), the config rules (`job_rules`), the split (`prepare`),
-the forward step and the objective are plain torch and are tested on CPU; the model's log-probabilities
-through `token_logprobs` run on CPU too (Megatron's model has CPU shims). DDP, the optimizer and the
-schedule are CUDA-only: `update` has run on no GPU yet (docs/gpu.md).
+One code path: on a GPU under NCCL, and on the CPU under gloo (CI), the same Megatron DDP, distributed
+optimizer and schedule run (every call inside rlslurm/megatron/device.py's `on_device`, which answers
+megatron-core's CUDA assumptions on CPU). Peak memory in the stats: the GPU's allocated and reserved peak
+of the step, or on CPU the process's peak RSS (`train_peak_rss_gb`).
 """
 
 from __future__ import annotations
@@ -38,9 +38,12 @@ from pathlib import Path
 import torch
 
 from rlslurm.diag.guard import PhaseGuard
+from rlslurm.dist import compute_device
 from rlslurm.errors import ConfigError, RlslurmError
+from rlslurm.megatron.device import on_device, peak_memory, reset_peak_memory
+from rlslurm.megatron.optimizer_state import OptimizerState
+from rlslurm.megatron.trainer import causal_mask
 from rlslurm.modelspec import ModelConfig
-from rlslurm.node import node_name
 from rlslurm.rl.batches import micro_batch_counts, micro_batches, mini_batches, share_sizes
 from rlslurm.rl.experience import Sample
 from rlslurm.rl.objective import Packed, UpdateStats, behaviour_logprobs, grpo_objective, pack
@@ -49,25 +52,25 @@ from rlslurm.rl.policy import RLPolicy
 log = logging.getLogger(__name__)
 
 
-# -- checks: at config load (job_rules) and at run time (require_cuda) ----------------------------------
+# -- checks at config load (job_rules) ------------------------------------------------------------------
 
 def job_rules(job) -> list[tuple[str, str]]:
-    """(key, message) for each setting the Megatron RL policy cannot run; JobConfig raises the first, the
-    message following `<key> = <value> ` as the loader prints it."""
+    """(key, message) for each setting the Megatron trainer (SFT or RL) cannot run; JobConfig raises the
+    first, the message following `<key> = <value> ` as the loader prints it."""
     rules = []
-    if job.job.kind != "rl":
-        rules.append(("train.backend", f"is implemented for job.kind = 'rl' only, not job.kind = "
+    if job.job.kind not in ("rl", "sft"):
+        rules.append(("train.backend", f"is implemented for job.kind = 'rl' and 'sft', not job.kind = "
                                        f"{job.job.kind!r}: set train.backend = torch"))
-    if job.rl.kl_coef > 0:
+    if job.job.kind == "rl" and job.rl.kl_coef > 0:
         rules.append(("rl.kl_coef", "> 0 needs a frozen reference model, which train.backend = 'megatron' does "
                                     "not build yet: set rl.kl_coef = 0 or train.backend = torch"))
     for key in ("pp", "cp", "ep"):
         value = getattr(job.parallel, key)
         if value != 1:
-            rules.append((f"parallel.{key}", "must be 1 with train.backend = 'megatron': its RL policy splits over "
+            rules.append((f"parallel.{key}", "must be 1 with train.backend = 'megatron': its trainer splits over "
                                              "TP and data parallel only so far (parallel.pp = cp = ep = 1)"))
     if job.parallel.etp not in (None, job.parallel.tp):
-        rules.append(("parallel.etp", "must be null (= parallel.tp) with train.backend = 'megatron': its RL policy "
+        rules.append(("parallel.etp", "must be null (= parallel.tp) with train.backend = 'megatron': its trainer "
                                       "trains dense models only so far"))
     if job.memory.weight_bytes not in (2.0, 4.0):
         rules.append(("memory.weight_bytes", "must be 2 (bf16 weights, fp32 master copy) or 4 (fp32) with "
@@ -80,17 +83,6 @@ def _value(job, key: str):
     return getattr(getattr(job, section), name)
 
 
-def require_cuda() -> None:
-    """Raise RlslurmError naming the fix where this process has no CUDA GPU (train.backend = megatron)."""
-    if torch.cuda.is_available():
-        return
-    build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
-    raise RlslurmError(
-        f"train.backend = 'megatron' needs a CUDA GPU on every trainer rank; {node_name()} has none "
-        f"visible (torch {torch.__version__}, {build}). Set train.backend = torch to train on CPU, or run on GPU "
-        "nodes in a venv with the [gpu] extra (pip install -e '.[gpu]'; docs/gpu.md)")
-
-
 def train_config(job):
     """MegatronTrainConfig from `memory:` (the planner's knobs are the trainer's knobs)."""
     from rlslurm.megatron.trainer import MegatronTrainConfig
@@ -101,20 +93,24 @@ def train_config(job):
 
 def hf_model_spec(model_dir: str | Path) -> tuple[ModelConfig, float]:
     """(ModelConfig, RMSNorm epsilon) of the Llama checkpoint in model_dir, read from its config.json."""
+    path = Path(model_dir) / "config.json"
+    return spec_from_config(json.loads(path.read_text()), name=Path(model_dir).name, where=str(path))
+
+
+def spec_from_config(cfg: dict, *, name: str, where: str) -> tuple[ModelConfig, float]:
+    """(ModelConfig, RMSNorm epsilon) of an HF Llama config (`where` names it in errors)."""
     from rlslurm.megatron.convert import ROPE_BASE
 
-    path = Path(model_dir) / "config.json"
-    cfg = json.loads(path.read_text())
     if cfg.get("model_type") != "llama":
-        raise ConfigError(f"{path}: model_type {cfg.get('model_type')!r}; the Megatron RL policy trains Llama-layout "
+        raise ConfigError(f"{where}: model_type {cfg.get('model_type')!r}; the Megatron trainer trains Llama-layout "
                           "checkpoints (the embedded model, SmolLM2): set train.backend = torch")
     hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or hidden // heads
     rope = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", ROPE_BASE))
     if head_dim * heads != hidden or float(rope) != ROPE_BASE or cfg.get("attention_bias") or cfg.get("mlp_bias"):
-        raise ConfigError(f"{path}: head_dim {head_dim} x heads {heads} != hidden {hidden}, rope_theta {rope} != "
+        raise ConfigError(f"{where}: head_dim {head_dim} x heads {heads} != hidden {hidden}, rope_theta {rope} != "
                           f"{ROPE_BASE}, or biases: rlslurm/megatron/convert.py maps none of these yet")
-    spec = ModelConfig(name=Path(model_dir).name, layers=cfg["num_hidden_layers"], hidden=hidden, heads=heads,
+    spec = ModelConfig(name=name, layers=cfg["num_hidden_layers"], hidden=hidden, heads=heads,
                        kv_heads=cfg.get("num_key_value_heads") or heads, ffn_hidden=cfg["intermediate_size"],
                        vocab=cfg["vocab_size"], max_positions=cfg["max_position_embeddings"],
                        tie_embeddings=bool(cfg.get("tie_word_embeddings", True)))
@@ -127,15 +123,14 @@ def token_logprobs(gpt, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Ten
     """log p(labels[:, t] | tokens[:, :t+1]) from a Megatron GPTModel (PP = 1); collective over its TP group."""
     seq = tokens.shape[1]
     positions = torch.arange(seq, device=tokens.device).unsqueeze(0).expand_as(tokens)
-    # True = masked out (Megatron's convention); right padding needs no more than the causal mask.
-    causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=tokens.device), diagonal=1)[None, None]
-    return -gpt(tokens, positions, causal, labels=labels).float()
+    with on_device():
+        return -gpt(tokens, positions, causal_mask(seq, tokens.device), labels=labels).float()
 
 
 # -- the policy -----------------------------------------------------------------------------------------
 
 class MegatronPolicy(RLPolicy):
-    """The trained GPTModel (Megatron DDP + distributed optimizer) on this rank's GPU."""
+    """The trained GPTModel (Megatron DDP + distributed optimizer) on this rank's device."""
 
     def __init__(self, job, topo, model_dir: str | Path):
         from transformers import AutoTokenizer
@@ -144,11 +139,9 @@ class MegatronPolicy(RLPolicy):
         from rlslurm.megatron.model import init_parallel
         from rlslurm.megatron.trainer import build_trainer
 
-        require_cuda()
         for key, message in job_rules(job):  # JobConfig refused these at load; a hand-built job may not have
             raise ConfigError(f"{key} = {_value(job, key)!r} {message}")
-        torch.cuda.set_device(topo.local_rank % torch.cuda.device_count())
-        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = compute_device()  # the GPU init_process_group made current, else the CPU
         self.job, self.topo, self.model_dir = job, topo, Path(model_dir)
         self.spec, norm_eps = hf_model_spec(model_dir)
         self.layout = Layout(tp=job.parallel.tp)
@@ -164,11 +157,11 @@ class MegatronPolicy(RLPolicy):
         self._export()
         self.model = HFView(self)
         self.optimizer = OptimizerState(self)
-        log.info("megatron policy: %s, TP %d, %s, peak %.3f GB after build", self.spec, self.layout.tp,
-                 train_config(job), torch.cuda.max_memory_allocated() / 1e9)
+        log.info("megatron policy on %s: %s, TP %d, %s, peak after build %s", self.device, self.spec,
+                 self.layout.tp, train_config(job), peak_memory())
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """Rank 0: the policy after the last update, {HF name: fp32 tensor on this GPU}; a tied LM head
+        """Rank 0: the policy after the last update, {HF name: fp32 tensor on this device}; a tied LM head
         once, as `model.embed_tokens.weight`. Other ranks: {} (they took part in the gather in `update`)."""
         return self._hf
 
@@ -204,15 +197,15 @@ class MegatronPolicy(RLPolicy):
         # The last version's fp32 copy goes first (the engines have it): the peak measured below is the
         # trainer's own step, what the plan's trainer peak predicts (plus a sync transport's buffers).
         self._hf = {}
-        torch.cuda.reset_peak_memory_stats()
-        job, device = self.job, torch.cuda.current_device()
+        reset_peak_memory()
+        job, device = self.job, self.device
         local = self._data_parallel_share(samples)
         if step_total is None:
             anyone = torch.tensor([len(samples)], device=device)
             dist.all_reduce(anyone, op=dist.ReduceOp.SUM)
             step_total = int(anyone.item())
         if step_total == 0:  # no rank has a sample: no step anywhere, the weights stay as they are
-            memory = _memory_stats()
+            memory = peak_memory()
             self._export()
             return {"loss": 0.0, "tokens": 0, "kl": 0.0, "grad_norm": 0.0, "mini_batches": 0, **memory}
         # A TP group trains on the union of its ranks' shares (`_data_parallel_share`): its DP rank's share.
@@ -227,7 +220,7 @@ class MegatronPolicy(RLPolicy):
             if part.total:  # else: no DP rank has a sample in this mini-batch, none steps
                 loss += self._step(part_chunks, behave, part.total / dp, stats)
                 guard.beat()
-        memory = _memory_stats()  # before the export adds the fp32 copy for the engines
+        memory = peak_memory()  # before the export adds the fp32 copy for the engines
         self._export()
         steps = len(stats.grad_norms)
         total = torch.tensor([loss], dtype=torch.float64, device=device)
@@ -241,14 +234,15 @@ class MegatronPolicy(RLPolicy):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         forward_step = partial(_forward_step, self.job.rl.clip_eps, divisor, len(chunks), stats)
-        self.ddp.zero_grad_buffer()
-        self.megatron_optimizer.zero_grad()
         seq = chunks[0].tokens.shape[1]
-        reduced = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(list(zip(chunks, behaviour))), model=[self.ddp],
-            num_microbatches=len(chunks), seq_length=seq, micro_batch_size=self.job.parallel.micro_batch_size,
-            decoder_seq_length=seq, forward_only=False)
-        _updated, grad_norm, _ = self.megatron_optimizer.step()
+        with on_device():
+            self.ddp.zero_grad_buffer()
+            self.megatron_optimizer.zero_grad()
+            reduced = get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(list(zip(chunks, behaviour))), model=[self.ddp],
+                num_microbatches=len(chunks), seq_length=seq, micro_batch_size=self.job.parallel.micro_batch_size,
+                decoder_seq_length=seq, forward_only=False)
+            _updated, grad_norm, _ = self.megatron_optimizer.step()
         self.steps += 1
         stats.grad_norms.append(float(grad_norm or 0.0))
         dp = self.topo.world_size // self.layout.tp
@@ -282,8 +276,7 @@ def _forward_step(clip: float, divisor: float, micro_batches: int, stats: Update
     chunk, behave = next(data_iterator)
     seq = chunk.tokens.shape[1]
     positions = torch.arange(seq, device=chunk.tokens.device).unsqueeze(0).expand_as(chunk.tokens)
-    causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=chunk.tokens.device), diagonal=1)
-    nll = model(chunk.tokens, positions, causal[None, None], labels=chunk.labels)
+    nll = model(chunk.tokens, positions, causal_mask(seq, chunk.tokens.device), labels=chunk.labels)
     return nll, partial(_loss, chunk, behave, clip, divisor, micro_batches, stats)
 
 
@@ -311,13 +304,6 @@ def _loss(chunk: Packed, behaviour: torch.Tensor, clip: float, divisor: float, m
     return loss * micro_batches, {"loss": loss.detach()}
 
 
-def _memory_stats() -> dict:
-    """This rank's GPU memory peak since the step began, in GB: Megatron's weights, grads, optimizer and
-    activations, plus whatever else this process holds on the GPU (a sync transport's buffers on rank 0)."""
-    return {"train_peak_allocated_gb": torch.cuda.max_memory_allocated() / 1e9,
-            "train_peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9}
-
-
 # -- what rlslurm/rl/checkpointing.py reads as policy.model and policy.optimizer -------------------------------------------
 
 class HFView:
@@ -336,7 +322,8 @@ class HFView:
 
         p = self.policy
         load_hf_into(p.gpt, state, p.spec, p.layout)
-        p.megatron_optimizer.reload_model_params()  # the fp32 master weights follow the loaded ones
+        with on_device():
+            p.megatron_optimizer.reload_model_params()  # the fp32 master weights follow the loaded ones
         p._export()
 
     def save_pretrained(self, directory: str | Path, safe_serialization: bool = True) -> None:
@@ -348,82 +335,3 @@ class HFView:
         self.generation_config.save_pretrained(str(directory))
         tensors = {name: t.detach().cpu().contiguous() for name, t in self.policy.weights().items()}
         save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-
-
-class OptimizerState:
-    """What rlslurm/rl/checkpointing.py checkpoints as the optimizer: the step count in `optimizer.pt` (rank 0), and each
-    rank's share of Adam in its own `optimizer-rank<NNNNN>.pt` (`save_shards`, `load_shards`).
-
-    Each of Megatron's optimizers wraps a torch optimizer (`.optimizer`) whose parameters are the fp32
-    master weights this rank updates (with the distributed optimizer, its DP slice of them) and whose
-    state holds Adam's moments of exactly those. A rank saves that torch optimizer's state dict and the
-    master weights, untouched and without any gather, and loads them back into the same places. Without
-    them a resumed run would restart Adam at zero moments and, with bf16 weights, lose the master
-    weights' low bits. The shards are cut by the layout: a resume must keep world size and parallel.tp."""
-
-    def __init__(self, policy):
-        self.policy = policy
-        self._saved: dict = {}
-
-    def _layout(self) -> dict:
-        return {"world_size": self.policy.topo.world_size, "tp": self.policy.layout.tp,
-                "distributed_optimizer": self.policy.job.memory.distributed_optimizer}
-
-    def _inner(self) -> list:
-        """The torch optimizers inside Megatron's (one per chained part)."""
-        opt = self.policy.megatron_optimizer
-        return [part.optimizer for part in getattr(opt, "chained_optimizers", [opt])]
-
-    def _shard_name(self, rank: int) -> str:
-        return f"optimizer-rank{rank:05d}"
-
-    def state_dict(self) -> dict:
-        return {"backend": "megatron", "steps": self.policy.steps, "layout": self._layout(),
-                "shards": self.policy.topo.world_size if self.policy.steps else 0}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.policy.steps = int(state.get("steps", 0))
-        self._saved = state
-
-    def save_shards(self, directory: Path) -> list[str]:
-        """This rank's Adam state and master weights into `directory` (every rank; nothing collective)."""
-        from rlslurm.checkpoint import write_rank_state
-
-        if self.policy.steps == 0:  # no step taken: nothing but zeros to save
-            return []
-        parts = [{"state_dict": inner.state_dict(),
-                  "master": [p.detach().cpu().clone() for group in inner.param_groups for p in group["params"]]}
-                 for inner in self._inner()]
-        shard = {"layout": self._layout(), "steps": self.policy.steps, "parts": parts}
-        return [write_rank_state(directory, self._shard_name(self.policy.topo.rank), shard)]
-
-    def load_shards(self, ckpt) -> None:
-        """After `load_state_dict` and the model's weights: this rank's Adam state and master weights back."""
-        if not self._saved.get("shards"):
-            if self.policy.steps:
-                log.warning("train.backend = megatron: checkpoint %s holds no optimizer shards; Adam's moments "
-                            "restart at step %d", ckpt.name, self.policy.steps)
-            return
-        if self._saved.get("layout") != self._layout():
-            raise RlslurmError(
-                f"checkpoint {ckpt.path} was written with {self._saved.get('layout')}, this run is "
-                f"{self._layout()}: Megatron's optimizer shards are cut by that layout. Resume with the same "
-                "world size and parallel.tp, or start a new run from its weights (train.init_from = its export)")
-        shard = ckpt.load_state(self._shard_name(self.policy.topo.rank))
-        inners = self._inner()
-        if len(shard["parts"]) != len(inners):
-            raise RlslurmError(f"checkpoint {ckpt.path}: {len(shard['parts'])} optimizer parts saved, this run "
-                               f"builds {len(inners)}: the model or its parallel layout changed")
-        for inner, part in zip(inners, shard["parts"]):
-            inner.load_state_dict(part["state_dict"])
-            params = [p for group in inner.param_groups for p in group["params"]]
-            if [p.shape for p in params] != [m.shape for m in part["master"]]:
-                raise RlslurmError(f"checkpoint {ckpt.path}: the saved master weights' shapes differ from this "
-                                   "run's: the model or its parallel layout changed")
-            with torch.no_grad():
-                for p, master in zip(params, part["master"]):
-                    p.copy_(master)
-        # The model's own weights came from the checkpoint's HF tensors (HFView.load_state_dict): the cast
-        # of these master weights taken after the last step, so the two agree without a copy.
-        log.info("megatron policy: Adam's moments and master weights restored from %s (step %d)",
-                 ckpt.name, self.policy.steps)

@@ -1,17 +1,16 @@
-"""The Megatron-core trainer backend (GPU): DDP with the distributed optimizer, activation recompute,
-and one optimizer step over micro-batches of token-weighted log-likelihood.
+"""The Megatron-core trainer backend: DDP with the distributed optimizer, activation recompute, and one
+optimizer step over micro-batches of token-weighted log-likelihood.
 
-`build_trainer` is what `train.backend = megatron` trains with (rlslurm/megatron/policy.py, the RL policy);
-it builds on model.py (the same GPTModel the CPU tests check against transformers) and is exercised only
-by `@pytest.mark.gpu` tests, because Megatron's DDP grad buffers, its optimizer and its pipeline schedules
-call CUDA directly. None of them has run on a GPU yet (docs/gpu.md). On CPU the torch backend trains; the
-Megatron model, its layout and the HF conversion are still tested there.
+`build_trainer` is what `train.backend = megatron` trains with, in both entrances: the SFT job
+(rlslurm/megatron/sft.py) and the RL policy (rlslurm/megatron/policy.py). It builds on model.py (the same
+GPTModel the tests check against transformers) and runs Megatron's own DistributedDataParallel,
+DistributedOptimizer and pipeline schedule: on the rank's GPU under NCCL, on the CPU under gloo in CI,
+every call inside `device.on_device()` (rlslurm/megatron/device.py says which CUDA assumptions of
+megatron-core that answers on CPU, and which stay unused).
 
-One loss serves both entrances: per-token weights times the token's negative log-likelihood, summed
-and divided by the number of weighted tokens. SFT passes the loss mask as weights; GRPO passes
-advantage x mask (on-policy, one update per rollout: the clipped ratio is 1, so its gradient is the
-advantage-weighted log-likelihood gradient). The RL policy (policy.py) runs the same schedule with its own
-loss, the torch Policy's clipped objective, which also covers stale samples (rl.max_staleness > 0).
+One loss serves SFT: per-token weights times the token's negative log-likelihood, summed (the loss mask
+over the number of answer tokens as weights: their mean). The RL policy runs the same schedule with its own
+loss, the torch Policy's clipped objective (rlslurm/rl/objective.py).
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ import torch
 
 from rlslurm.configfile import check
 from rlslurm.megatron.convert import Layout
+from rlslurm.megatron.device import on_device
 from rlslurm.megatron.model import build_gpt_model
 from rlslurm.modelspec import ModelConfig
 
@@ -58,7 +58,7 @@ def _recompute_kwargs(cfg: MegatronTrainConfig) -> dict:
 def build_trainer(model: ModelConfig, layout: Layout, cfg: MegatronTrainConfig, lr: float, grad_clip: float, *,
                   weight_decay: float = 0.0, init: Callable[[torch.nn.Module], None] | None = None,
                   **config_overrides):
-    """(ddp_model, optimizer) for this rank; `model.init_parallel(layout)` must have run on a GPU.
+    """(ddp_model, optimizer) for this rank; `model.init_parallel(layout)` must have run.
 
     `init(gpt)` runs on the bare GPTModel before it is wrapped: weights loaded there (an HF checkpoint
     through convert.load_hf_into) are what the optimizer copies into its fp32 master weights; loaded
@@ -75,53 +75,69 @@ def build_trainer(model: ModelConfig, layout: Layout, cfg: MegatronTrainConfig, 
     if init is not None:
         init(gpt)
     config = gpt.config
-    ddp = DistributedDataParallel(
-        config=config,
-        ddp_config=DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=cfg.overlap_grad_reduce,
-            use_distributed_optimizer=cfg.distributed_optimizer),
-        module=gpt,
-    )
-    # The schedule calls these: grads are reduced over DP (and the tied embedding over PP) here.
-    config.finalize_model_grads_func = finalize_model_grads
-    config.no_sync_func = ddp.no_sync
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=lr, bf16=cfg.bf16, params_dtype=dtype, clip_grad=grad_clip,
-                        weight_decay=weight_decay, use_distributed_optimizer=cfg.distributed_optimizer),
-        [ddp],
-    )
+    with on_device():
+        ddp = DistributedDataParallel(
+            config=config,
+            ddp_config=DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, overlap_grad_reduce=cfg.overlap_grad_reduce,
+                use_distributed_optimizer=cfg.distributed_optimizer),
+            module=gpt,
+        )
+        # The schedule calls these: grads are reduced over DP (and the tied embedding over PP) here.
+        config.finalize_model_grads_func = finalize_model_grads
+        config.no_sync_func = ddp.no_sync
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=lr, bf16=cfg.bf16, params_dtype=dtype, clip_grad=grad_clip,
+                            weight_decay=weight_decay, use_distributed_optimizer=cfg.distributed_optimizer),
+            [ddp],
+        )
     return ddp, optimizer
 
 
-def _weighted_nll(weights: torch.Tensor, per_token_nll: torch.Tensor):
-    count = (weights != 0).sum().clamp(min=1)
-    loss = (per_token_nll.float() * weights.float()).sum() / count
-    return loss, {"loss": loss.detach()}
+def _weighted_nll(weights: torch.Tensor, micro_batches: int, per_token_nll: torch.Tensor):
+    # Megatron's schedule divides a 2-tuple loss by the number of micro-batches; the weights already make
+    # the sum over all of them the step's loss, so that division is undone.
+    loss = (per_token_nll.float() * weights.float()).sum()
+    return loss * micro_batches, {"loss": loss.detach()}
 
 
-def _forward_step(data_iterator: Iterator[dict], model):
+def causal_mask(seq: int, device) -> torch.Tensor:
+    """[1, 1, seq, seq], True = masked out (Megatron's convention): the future of every position. Right
+    padding needs no more: a pad token comes after every real one."""
+    return torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), diagonal=1)[None, None]
+
+
+def _forward_step(micro_batches: int, data_iterator: Iterator[dict], model):
     batch = next(data_iterator)
-    tokens = batch["tokens"].cuda(non_blocking=True)
+    device = next(model.parameters()).device
+    tokens = batch["tokens"].to(device, non_blocking=True)
     seq = tokens.shape[1]
-    positions = torch.arange(seq, device=tokens.device).unsqueeze(0).expand_as(tokens)
-    causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=tokens.device), diagonal=1)[None, None]
+    positions = torch.arange(seq, device=device).unsqueeze(0).expand_as(tokens)
     # With labels, GPTModel returns the per-token cross entropy (vocab-parallel, no full logits).
-    nll = model(tokens, positions, causal, labels=batch["labels"].cuda(non_blocking=True))
-    return nll, partial(_weighted_nll, batch["weights"].cuda(non_blocking=True))
+    nll = model(tokens, positions, causal_mask(seq, device), labels=batch["labels"].to(device, non_blocking=True))
+    return nll, partial(_weighted_nll, batch["weights"].to(device, non_blocking=True), micro_batches)
 
 
-def train_step(ddp, optimizer, micro_batches: list[dict]) -> dict[str, float]:
-    """One optimizer step over micro-batches {tokens, labels, weights} of shape [micro_batch, seq]."""
+def train_step(ddp, optimizer, micro_batches: list[dict], lr: float | None = None) -> dict[str, float]:
+    """One optimizer step over micro-batches {tokens, labels, weights} of shape [micro_batch, seq], at
+    learning rate `lr` (None: as the optimizer has it). The loss is sum(weights x the label's negative
+    log-likelihood) over all micro-batches: weights summing to 1 over the step's tokens make it their mean
+    (rlslurm/megatron/sft.py). Returns {loss, grad_norm, updated} of this rank."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    ddp.zero_grad_buffer()
-    optimizer.zero_grad()
-    seq = micro_batches[0]["tokens"].shape[1]
-    losses = get_forward_backward_func()(
-        forward_step_func=_forward_step, data_iterator=iter(micro_batches), model=[ddp],
-        num_microbatches=len(micro_batches), seq_length=seq, micro_batch_size=micro_batches[0]["tokens"].shape[0],
-        decoder_seq_length=seq, forward_only=False)
-    updated, grad_norm, _ = optimizer.step()
+    if lr is not None:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+    with on_device():
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        seq = micro_batches[0]["tokens"].shape[1]
+        losses = get_forward_backward_func()(
+            forward_step_func=partial(_forward_step, len(micro_batches)), data_iterator=iter(micro_batches),
+            model=[ddp],
+            num_microbatches=len(micro_batches), seq_length=seq,
+            micro_batch_size=micro_batches[0]["tokens"].shape[0], decoder_seq_length=seq, forward_only=False)
+        updated, grad_norm, _ = optimizer.step()
     # Only the last PP stage computes the loss; other stages report nan rather than a made-up number.
-    loss = float(torch.stack([d["loss"] for d in losses]).mean()) if losses else float("nan")
+    loss = float(torch.stack([d["loss"] for d in losses]).sum()) if losses else float("nan")
     return {"loss": loss, "grad_norm": float(grad_norm or 0.0), "updated": float(bool(updated))}

@@ -38,7 +38,7 @@ def save(run: RunDir, job: JobConfig, topo: Topology, policy: RLPolicy, step: in
         if topo.is_main:
             ckpt = stack.enter_context(CheckpointWriter(run, step, policy_version=version, keep=job.checkpoint.keep,
                                                         metadata={"job": "rl", "world_size": topo.world_size}))
-        for filename in _save_shards(policy, ckpt, topo):
+        for filename in write_shards(policy.optimizer, ckpt, topo):
             ckpt.add_written(filename)
         if ckpt is not None:
             ckpt.save_tensors("model", {k: v.contiguous() for k, v in policy.weights().items()})
@@ -52,11 +52,11 @@ def save(run: RunDir, job: JobConfig, topo: Topology, policy: RLPolicy, step: in
     return seconds[0]
 
 
-def _save_shards(policy, ckpt: CheckpointWriter | None, topo: Topology) -> list[str]:
-    """Collective where the optimizer is sharded (it has `save_shards`): rank 0 names its temp dir, each
-    rank writes its shard there; rank 0 gets every file name, the others []. The torch Policy's
-    optimizer is whole on rank 0: nothing to do."""
-    save_shards = getattr(policy.optimizer, "save_shards", None)
+def write_shards(optimizer, ckpt: CheckpointWriter | None, topo: Topology) -> list[str]:
+    """Collective where the optimizer is sharded (it has `save_shards`: Megatron's, in the RL policy and in
+    the SFT job): rank 0 (holding `ckpt`) names its temp dir, each rank writes its shard there; rank 0 gets
+    every file name, the others []. The torch Policy's optimizer is whole on rank 0: nothing to do."""
+    save_shards = getattr(optimizer, "save_shards", None)
     if save_shards is None:
         return []
     where = [str(ckpt.tmp) if ckpt is not None else None]

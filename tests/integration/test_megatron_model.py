@@ -1,4 +1,5 @@
-"""A real Megatron-core GPTModel on CPU over gloo, exported to HF and checked against transformers.
+"""A real Megatron-core GPTModel on CPU over gloo, exported to HF and checked against transformers; its
+trainer fitting a batch; its kernel fusions chosen from what imports.
 
 Each test spawns real processes (world 1, world 2) that build the model with rlslurm.megatron.model,
 stream it out with convert.export_hf (the collective TP/EP/PP gather), write a safetensors checkpoint,
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 
 import pytest
 import torch
@@ -141,22 +143,91 @@ def test_recompute_modes_make_valid_megatron_configs():
     assert transformer_config(DENSE, Layout()).recompute_granularity is None
 
 
-def _gpu_train_worker(rank: int, port: int, out_dir: str):
+def _train_worker(rank: int, port: int, out_dir: str):
     from rlslurm.dist import Topology, init_process_group
     from rlslurm.megatron.convert import Layout
     from rlslurm.megatron.model import init_parallel
     from rlslurm.megatron.trainer import MegatronTrainConfig, build_trainer, train_step
 
-    torch.cuda.set_device(0)
+    torch.set_num_threads(1)
     init_process_group(Topology(0, 1, 0, "127.0.0.1", port), timeout_s=60)
     init_parallel(Layout(), seed=0)
     ddp, optimizer = build_trainer(MOE, Layout(), MegatronTrainConfig(recompute="full"), lr=1e-2, grad_clip=1.0)
     tokens = torch.randint(0, MOE.vocab, (2, 17), generator=torch.Generator().manual_seed(0))
-    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "weights": torch.ones(2, 16)}
+    # Two micro-batches of the same rows, each token weighing 1 / 64: the loss is their mean NLL.
+    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "weights": torch.full((2, 16), 1 / 64)}
     losses = [train_step(ddp, optimizer, [batch, batch])["loss"] for _ in range(8)]
+    assert 3.0 < losses[0] < 5.0, losses  # ~ln(48): the mean, not a sum
     assert losses[-1] < 0.8 * losses[0], losses
 
 
-@pytest.mark.gpu
-def test_megatron_trainer_fits_one_batch_on_gpu(tmp_path):
-    mp.spawn(_gpu_train_worker, args=(_free_port(), str(tmp_path)), nprocs=1, join=True)
+def test_megatron_trainer_fits_one_batch(tmp_path):
+    """MoE (allgather dispatcher on CPU), full recompute (its RNG fork on CPU), bf16 weights with fp32
+    master copies in the distributed optimizer: eight steps of Megatron's schedule fit one batch."""
+    mp.spawn(_train_worker, args=(_free_port(), str(tmp_path)), nprocs=1, join=True)
+
+
+# -- kernel fusions: chosen from what imports (rlslurm/megatron/fusions.py) -------------------------------
+
+SOFTMAX_KERNELS = ("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda", "scaled_softmax_cuda")
+
+
+def test_fusions_are_on_only_where_their_kernels_import_and_each_disabled_one_says_why(monkeypatch, caplog):
+    import types
+
+    from rlslurm.megatron.fusions import choose_fusions, flags
+
+    for name in SOFTMAX_KERNELS:  # the wheel's case, forced: importing any of them fails
+        monkeypatch.setitem(sys.modules, name, None)
+    with caplog.at_level("INFO", logger="rlslurm.megatron.fusions"):
+        on_gpu = {f.flag: f for f in choose_fusions(on_gpu=True)}
+    assert not on_gpu["masked_softmax_fusion"].on
+    assert "scaled_masked_softmax_cuda does not import" in on_gpu["masked_softmax_fusion"].reason
+    for fusion in on_gpu.values():  # every flag rlslurm sets, each off one logged with its reason
+        if not fusion.on:
+            assert f"megatron fusion {fusion.flag} off: {fusion.reason}" in caplog.text
+    assert {"masked_softmax_fusion", "gradient_accumulation_fusion", "apply_rope_fusion",
+            "bias_activation_fusion"} <= set(on_gpu)
+    # Where the kernels import (Megatron-LM's fused_kernels built on a GPU box), the fusion is on.
+    for name in SOFTMAX_KERNELS:
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    assert flags(choose_fusions(on_gpu=True))["masked_softmax_fusion"] is True
+    assert not any(flags(choose_fusions(on_gpu=False)).values())  # no GPU: no CUDA kernel
+
+
+def _fusion_worker(rank: int, port: int, out: str):
+    """A bf16 GPTModel built with the fusions a GPU process chooses where the softmax kernels do not import,
+    and one built as before (masked_softmax_fusion on with a GPU): a 20-token forward through each."""
+    for name in SOFTMAX_KERNELS:
+        sys.modules[name] = None  # forced missing, as in the megatron-core wheel
+    from rlslurm.dist import Topology, init_process_group
+    from rlslurm.megatron.convert import Layout
+    from rlslurm.megatron.fusions import choose_fusions, flags
+    from rlslurm.megatron.model import build_gpt_model, forward_logits, init_parallel
+
+    torch.set_num_threads(1)
+    init_process_group(Topology(0, 1, 0, "127.0.0.1", port), timeout_s=60)
+    init_parallel(Layout(), seed=0)
+    # 20 keys (16 < keys <= 4096, divisible by 4) x batch 2 x 4 heads: the shapes that take the fused path.
+    tokens = torch.randint(0, DENSE.vocab, (2, 20), generator=torch.Generator().manual_seed(0))
+    found = {}
+    for case, overrides in (("chosen", flags(choose_fusions(on_gpu=True))), ("before", {"masked_softmax_fusion": True})):
+        gpt = build_gpt_model(DENSE, Layout(), torch.bfloat16, **overrides)
+        try:
+            with torch.no_grad():
+                found[case] = f"ok {tuple(forward_logits(gpt, tokens, DENSE.vocab).shape)}"
+        except ImportError as e:
+            found[case] = f"{type(e).__name__}: {e}"
+    with open(out, "w") as f:
+        json.dump(found, f)
+
+
+def test_a_bf16_forward_of_real_prompt_length_runs_without_the_softmax_kernel(tmp_path):
+    """The defect: masked_softmax_fusion on for any GPU, and in bf16 Megatron's availability check imports
+    scaled_masked_softmax_cuda, which the megatron-core wheel does not ship. Built as before, the forward
+    dies on that import (on CPU too: the check never looks at the device); built with the chosen fusions,
+    it runs."""
+    mp.spawn(_fusion_worker, args=(_free_port(), str(tmp_path / "found.json")), nprocs=1, join=True)
+    found = json.loads((tmp_path / "found.json").read_text())
+    assert found["chosen"] == "ok (2, 20, 48)", found
+    assert "scaled_masked_softmax_cuda" in found["before"] and "Error" in found["before"], found
