@@ -1,5 +1,10 @@
 """The SFT entrance: supervised training on the task's train split with DDP, then an HF export.
 
+Two trainers behind one loop (train.backend): torch (`SFTState` here: DDP + AdamW on the HF model) and
+megatron (rlslurm/megatron/sft.py's `MegatronSFTState`: Megatron-core's DDP, distributed optimizer and
+schedule); both start from the same weights and learn the same loss, checkpoint, drain, resume and export
+the same way.
+
 Run one rank by hand (rank, world and master come from the environment, see rlslurm/dist.py):
 
     RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29511 \\
@@ -110,13 +115,53 @@ def lr_factor(train: TrainConfig, step: int) -> float:
 
 @dataclass
 class SFTState:
-    """The whole training state in one place: what a checkpoint saves and a resume restores."""
+    """The whole training state in one place: what a checkpoint saves and a resume restores (torch backend;
+    rlslurm/megatron/sft.py's MegatronSFTState has the same methods)."""
 
     model: DistributedDataParallel
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
+    grad_clip: float = 0.0
+    """train.grad_clip (0 = off)."""
     step: int = 0
     """Optimizer steps done; also the data position (see batch_indices)."""
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def lr(self) -> float:
+        """The learning rate of the next step."""
+        return self.scheduler.get_last_lr()[0]
+
+    def params(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    def train_step(self, batch: dict[str, torch.Tensor], beat=lambda: None) -> tuple[float, float]:
+        """One optimizer step; returns (loss averaged over ranks, gradient norm before clipping).
+        `beat` is the phase guard's progress call, made from inside the step."""
+        device = compute_device()
+        loss = self.model(**{k: v.to(device) for k, v in batch.items()}).loss
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        beat()
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                              self.grad_clip if self.grad_clip > 0 else float("inf"))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        reported = loss.detach().clone()
+        dist.all_reduce(reported, op=dist.ReduceOp.SUM)
+        return reported.item() / dist.get_world_size(), float(norm)
+
+    def weights_sha256(self) -> str:
+        return weights_sha256(self.model)
+
+    def export(self, directory: Path, max_new_tokens: int):
+        """Rank 0: (path, the trained model) after writing the HF directory; the other ranks (None, None)."""
+        if not dist.get_rank() == 0:
+            return None, None
+        return save_hf(self.model, directory, max_new_tokens=max_new_tokens), self.model
 
     def save(self, run: RunDir, topo: Topology, keep: int) -> float:
         """Collective: every rank's RNG is gathered, rank 0 writes; the save's seconds on every rank."""
@@ -172,7 +217,12 @@ def weights_sha256(model: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
-def build_state(job: JobConfig, topo: Topology) -> SFTState:
+def build_state(job: JobConfig, topo: Topology):
+    """The training state of train.backend: SFTState (torch) or rlslurm/megatron/sft.py's MegatronSFTState."""
+    if job.train.backend == "megatron":
+        from rlslurm.megatron.sft import MegatronSFTState
+
+        return MegatronSFTState(job, topo, lambda step: job.train.lr * lr_factor(job.train, step))
     if job.train.init_from:
         model, _ = load_hf(job.train.init_from)
         model.train()
@@ -182,26 +232,7 @@ def build_state(job: JobConfig, topo: Topology) -> SFTState:
     ddp = DistributedDataParallel(model.to(compute_device()))
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=job.train.lr, weight_decay=job.train.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(job.train, s))
-    return SFTState(model=ddp, optimizer=optimizer, scheduler=scheduler)
-
-
-def train_step(state: SFTState, batch: dict[str, torch.Tensor], grad_clip: float,
-               beat=lambda: None) -> tuple[float, float]:
-    """One optimizer step; returns (loss averaged over ranks, gradient norm before clipping).
-    `beat` is the phase guard's progress call, made from inside the step."""
-    device = compute_device()
-    loss = state.model(**{k: v.to(device) for k, v in batch.items()}).loss
-    state.optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    beat()
-    params = state.model.parameters()
-    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
-    state.optimizer.step()
-    state.scheduler.step()
-    state.step += 1
-    reported = loss.detach().clone()
-    dist.all_reduce(reported, op=dist.ReduceOp.SUM)
-    return reported.item() / dist.get_world_size(), float(norm)
+    return SFTState(model=ddp, optimizer=optimizer, scheduler=scheduler, grad_clip=job.train.grad_clip)
 
 
 def run_sft(job: JobConfig, run_dir: Path, *, requeue=lifecycle.requeue_job) -> dict:
@@ -254,8 +285,7 @@ def _train(job: JobConfig, run: RunDir, topo: Topology, gate: DrainGate, guard: 
     if path:
         state.load(Checkpoint.open(Path(path), verify=False), topo)  # rank 0 verified it in latest_complete
     emit(run, SFT_START, role="trainer", rank=topo.rank, world_size=topo.world_size, steps=train.steps,
-         start_step=state.step, params=sum(p.numel() for p in state.model.parameters()),
-         device=str(next(state.model.parameters()).device))
+         start_step=state.step, params=state.params(), device=str(state.device), backend=train.backend)
     time_limit_s = job.cluster.time_limit_min * 60.0 if os.environ.get("SLURM_JOB_ID") else None
     policy = IntervalPolicy(job.checkpoint, time_limit_s=time_limit_s, start_step=state.step)
     last_saved = state.step if path else None
@@ -291,9 +321,9 @@ def _train(job: JobConfig, run: RunDir, topo: Topology, gate: DrainGate, guard: 
         with guard.phase("data", step=state.step + 1):
             idx = batch_indices(len(examples), train.batch_size, train.seed, state.step, topo.rank, topo.world_size)
             batch = collate([examples[i] for i in idx])
-        lr = state.scheduler.get_last_lr()[0]
+        lr = state.lr()
         with guard.phase("train", step=state.step + 1):
-            loss, grad_norm = train_step(state, batch, train.grad_clip, beat=guard.beat)
+            loss, grad_norm = state.train_step(batch, beat=guard.beat)
         step_s = time.perf_counter() - t0
         policy.observe_step(step_s)
         if topo.is_main:
@@ -304,24 +334,25 @@ def _train(job: JobConfig, run: RunDir, topo: Topology, gate: DrainGate, guard: 
                 time.sleep(train.step_delay_s)  # stands in for compute: tests signal mid-run
     # The trained state, checkpointed before the export: a restart after this point only re-exports.
     save()
-    checksum = weights_sha256(state.model)
+    checksum = state.weights_sha256()
     summary = {"rank": topo.rank, "step": state.step, "weights_sha256": checksum}
     with guard.phase("export", step=state.step):
+        # Every rank: the Megatron export gathers over TP; rank 0 writes it and evaluates it.
+        export, model = state.export(run.path / "export" / "hf", job.rollout.max_new_tokens)
         if topo.is_main:
-            summary.update(_export_and_evaluate(job, run, state, tokenizer, held_out, started))
+            summary.update(_evaluate(job, run, state.step, export, model, tokenizer, held_out, started))
         # Peers wait for the export so that no rank reports finished before the job's output exists.
         dist.barrier()
     emit(run, SFT_FINISHED, role="trainer", **summary)
     return {**summary, "exit_code": ExitCode.DONE}
 
 
-def _export_and_evaluate(job, run, state, tokenizer, held_out, started) -> dict:
-    export = save_hf(state.model, run.path / "export" / "hf", max_new_tokens=job.rollout.max_new_tokens)
-    emit(run, SFT_EXPORT, role="trainer", rank=0, path=str(export), step=state.step)
-    result = greedy_accuracy(state.model, tokenizer, held_out, max_new_tokens=job.rollout.max_new_tokens)
+def _evaluate(job, run, step, export, model, tokenizer, held_out, started) -> dict:
+    emit(run, SFT_EXPORT, role="trainer", rank=0, path=str(export), step=step)
+    result = greedy_accuracy(model, tokenizer, held_out, max_new_tokens=job.rollout.max_new_tokens)
     record = {"heldout_accuracy": result.accuracy, "heldout_correct": result.correct,
               "heldout_total": result.total, "export": str(export), "wall_s": time.time() - started}
-    run.append_json(run.metrics, {"t": time.time(), "kind": "sft_eval", "step": state.step, **record})
+    run.append_json(run.metrics, {"t": time.time(), "kind": "sft_eval", "step": step, **record})
     return record
 
 

@@ -97,7 +97,8 @@ DONE = declare("done", "the RL or toy job trained every step (and exported)",
                by=("rlslurm/rl/loop.py", "jobs/toytrain.py"), required=("step",),
                optional=("policy_version", "held_out_accuracy", "weights_sha256"))
 SFT_START = declare("sft_start", "an SFT trainer rank started training", by="jobs/sft.py",
-                    required=("world_size", "steps", "start_step", "params", "device"), informational=True)
+                    required=("world_size", "steps", "start_step", "params", "device"), optional=("backend",),
+                    informational=True)
 SFT_EXPORT = declare("sft_export", "the SFT job wrote its HF export", by="jobs/sft.py", required=("path", "step"),
                      informational=True)
 SFT_FINISHED = declare("sft_finished", "an SFT trainer rank trained every step (rank 0: exported and evaluated)",
