@@ -203,7 +203,8 @@ def train(run_dir: str | Path, cfg: JobConfig, *, step_delay_s: float = 0.0, tim
     try:
         # Guarded from before the rendezvous: a rank that never joins shows up stuck in phase "start".
         with PhaseGuard(run, "train", topo.rank, cfg.diag, gate=gate, job_id=lifecycle.leader_job_id()) as guard:
-            init_process_group(topo, backend="gloo")  # the toy model computes on the CPU wherever it runs
+            # The toy model computes on the CPU wherever it runs; its collectives wait train.dist_timeout_s.
+            init_process_group(topo, timeout_s=cfg.train.dist_timeout_s, backend="gloo")
             try:
                 code = _train(run, cfg, topo, gate, guard, step_delay_s, time_limit_s, requeue)
                 # Leave together: a rank tearing gloo down while its peer still talks to the store (hosted

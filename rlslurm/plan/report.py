@@ -23,6 +23,7 @@ from rlslurm.plan.memory import TrainerMemory, trainer_memory
 from rlslurm.plan.parallel import Rule, static_rules
 from rlslurm.plan.placement import Colocate, colocate, stated_placement
 from rlslurm.plan.quantity import Q
+from rlslurm.plan.timeouts import Chain, timeout_chain
 from rlslurm.plan.splits import Split, advice, all_splits, recommend
 from rlslurm.plan.steptime import (Amortisation, RewardPhase, StepSplit, SyncMethod, amortise, reward_phase,
                                    step_splits, sync_times)
@@ -176,10 +177,17 @@ def preflight(plan: Plan) -> list[str]:
                         "rank 0 and share its GPU, and NCCL refuses two ranks of one group on one GPU ('Duplicate "
                         "GPU detected'); set sync.method: ipc (the same GPU's memory, no copy) or disk, or "
                         "placement.mode: separate")
+    problems += timeouts(plan).problems()
     if plan.rollout is not None and plan.rollout.seqs_per_engine.value < 1:
         problems.append(f"rollout: one engine's KV space {plan.rollout.kv_space_per_gpu.text()} per GPU holds no "
                         f"sequence of rollout.max_seq_len = {plan.job.rollout.max_seq_len}")
     return problems
+
+
+def timeouts(plan: Plan) -> Chain:
+    """The job's timeout chain (rlslurm/plan/timeouts.py); the drain's step is the plan's step time."""
+    step = plan.rl_step_s if plan.job.job.kind == "rl" else plan.checkpoint_step_s
+    return timeout_chain(plan.job, step_s=step.value)
 
 
 def render_text(plan: Plan, explain: bool = False) -> str:
