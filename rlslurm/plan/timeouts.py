@@ -11,9 +11,10 @@ come first and what happens when it does not:
    stage (`sync.timeout_s`), a scoring request with its retries (`reward.timeout_s`, `retries`,
    `retry_backoff_s`) must give up before the node agent's phase timeout of that phase, or the watchdog
    requeues the whole job for what the step would have survived (a dead engine's prompts go to the others).
-2. The reward supervisor before the scoring requests give up: a hung service is declared unhealthy after
-   `unhealthy_after` x (`health_interval_s` + `health_timeout_s`); past the requests' whole budget the
-   responses are already degraded (or the step failed) before the supervisor acts.
+2. The reward supervisor before the scoring requests give up: one health check (`health_timeout_s`) must
+   not outlast one scoring request (`timeout_s`), or the requests fail the step while the supervisor still
+   waits to act. The whole detection of a hung service (`unhealthy_after` x (`health_interval_s` +
+   `health_timeout_s`)) past the requests' whole budget is a note: those responses are degraded by policy.
 3. The watchdog before the collective timeout: a rank waits for a hung peer in a collective for
    `train.dist_timeout_s`; the watchdog looks after the longest trainer phase timeout + one poll
    (`diag.*`). The other way round the waiting ranks raise first, and the watchdog finds them dead and the
@@ -197,12 +198,17 @@ def _caller_orders(job: JobConfig, timeouts: list[Timeout], orders: list[Order])
                  Timeout(unhealthy_s, f"reward: {rw.unhealthy_after} x (health_interval_s + health_timeout_s)",
                          "the supervisor restarts a hung service")]
     orders.append(Order(
+        rw.health_timeout_s, "reward.health_timeout_s", rw.timeout_s, "reward.timeout_s",
+        rw.health_timeout_s <= rw.timeout_s,
+        "a scoring request gives up while the supervisor still waits for one health check of the same service, "
+        "so a hung service fails the step's responses before the supervisor acts on it",
+        f"set reward.health_timeout_s at most {_s(rw.timeout_s)}, or raise reward.timeout_s"))
+    orders.append(Order(
         unhealthy_s, "reward.unhealthy_after x (reward.health_interval_s + reward.health_timeout_s)", budget_s,
         budget_key, unhealthy_s < budget_s,
-        f"every response is degraded (reward.degrade = {rw.degrade!r}) before the supervisor restarts a hung "
-        "service, so the step fails or scores nothing",
-        f"lower reward.health_timeout_s, health_interval_s or unhealthy_after below {_s(budget_s)} in all, or "
-        "raise reward.timeout_s or reward.retries"))
+        f"a response to a hung service is degraded (reward.degrade = {rw.degrade!r}) before the supervisor "
+        "restarts it (a dead service is restarted at the next check)",
+        "lower reward.unhealthy_after or health_interval_s, or raise reward.retries", refuse=False))
     limit = d.timeout_for("reward")
     orders.append(Order(
         budget_s, budget_key, limit, _phase_key(job, "reward"), budget_s <= limit,
