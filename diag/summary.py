@@ -179,7 +179,13 @@ def classify(facts: Facts) -> list[Cause]:
                             [f"service log: {e.get('log')}"]))
     elif hit:
         causes.append(Cause("reward_down", f"reward service down: {hit[0]}: {hit[1].group(0)}"))
-    if state == "NODE_FAIL" or _grep(facts.logs, re.compile(r"NODE_FAIL|DUE TO NODE FAILURE")):
+    lost = ev.select(facts.events, ev.NODE_LOST)
+    if lost and not ev.select(now_events, *ev.FINISHED):  # a job that came back and finished: evidence only
+        e = lost[-1]
+        causes.append(Cause("node_failure", f"node failure: {e.get('node')} lost ({e.get('state')}, reason: "
+                            f"{e.get('reason')}); SLURM requeued the job off it (restart {e.get('restart_count')})",
+                            [f"{x.get('node')}: {x.get('state')} ({x.get('reason')})" for x in lost]))
+    elif state == "NODE_FAIL" or _grep(facts.logs, re.compile(r"NODE_FAIL|DUE TO NODE FAILURE")):
         causes.append(Cause("node_failure", "node failure (SLURM NODE_FAIL)"))
     if state == "TIMEOUT" or _grep(facts.logs, re.compile(r"DUE TO TIME LIMIT")):
         causes.append(Cause("time_limit", "time limit reached (SLURM TIMEOUT)"))
@@ -206,6 +212,9 @@ def classify(facts: Facts) -> list[Cause]:
         causes.append(Cause("finished", "finished OK" + (f" ({len(exited)} processes exited cleanly)" if exited else "")))
     if not causes:
         causes.append(Cause("unknown", f"no cause found (SLURM state {state or 'unknown'}); read the log tails"))
+    if causes[0].kind != "node_failure":
+        causes[0].evidence += [f"node lost: {e.get('node')} ({e.get('state')}, reason: {e.get('reason')}), "
+                               f"restart {e.get('restart_count')}" for e in lost]
     for e in ev.select(earlier, ev.HANG_DETECTED, ev.PHASE_FAILED, ev.ENGINE_FAILED, ev.SYNC_VERIFY_FAILED,
                        ev.REWARD_SERVICE_DOWN, ev.DRAINED):
         causes[0].evidence.append(f"earlier attempt: {e.get('kind')} {_said(e)}".rstrip())

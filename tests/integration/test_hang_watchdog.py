@@ -205,41 +205,6 @@ def test_a_stopped_rank_is_named_20_times_out_of_20_under_load(run):
     assert verdicts == [(["train-1"], ["train-0"])] * 20
 
 
-def test_toy_entrance_spinning_rank_is_caught_by_its_own_guard_and_both_ranks_are_ended(run):
-    """jobs/toytrain.py wears the guard itself: a rank spinning in Python (RLSLURM_TEST_STALL=1@6:spin)
-    is named with its phase and frame, its peer waits in DDP's gradient all-reduce, policy fail ends both."""
-    from rlslurm.jobs.toytrain import STALL_ENV
-
-    (run.path / "config.yaml").write_text(json.dumps({
-        "job": {"name": "spin", "kind": "toy"}, "train": {"steps": 1000},
-        "checkpoint": {"interval_steps": 1000, "cost_s": 0.5},
-        "diag": {"heartbeat_interval_s": 0.2, "hang_timeout_s": TIMEOUT_S, "watch_interval_s": 0.25,
-                 "phase_timeouts_s": {"start": 120}, "hang_policy": "fail", "kill_grace_s": 1.0}}))
-    port = _free_port()
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), STALL_ENV: "1@6:spin"}
-        for key in ("SLURMD_NODENAME", "SLURM_JOB_ID", "RLSLURM_LEADER_JOB_ID"):
-            env.pop(key, None)
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "rlslurm.jobs.toytrain", "--run-dir", str(run.path), "--config", str(run.config)],
-            env=env, stdout=open(run.logs / f"train-{rank}.log", "w"), stderr=subprocess.STDOUT))
-    try:
-        agent = subprocess.run([sys.executable, "-m", "rlslurm.diag.watchdog", "--run-dir", str(run.path),
-                                "--parent-pid", "0"], capture_output=True, text=True, timeout=TIMEOUT_S + 90)
-        assert agent.returncode == ExitCode.HANG_DETECTED, agent.stdout + agent.stderr
-        (fault,) = read_events(run, "fault_injected")
-        (hang,) = read_events(run, "hang_detected")
-        assert hang["t"] - fault["t"] <= TIMEOUT_S + 5
-        assert hang["stuck"] == ["train-1"] and hang["waiting"] == ["train-0"] and hang["collective"] == "all_reduce"
-        assert "train-1 in the data phase step 6 at Faults.stall (" in hang["message"], hang["message"]
-        for p in procs:
-            assert p.wait(10) in (-signal.SIGTERM, -signal.SIGKILL)
-    finally:
-        _stop(procs)
-
-
 def _toy_ranks(run: RunDir, env_extra: dict[str, str], diag: dict, world: int = 2) -> list[subprocess.Popen]:
     """jobs/toytrain.py as `world` local ranks with the faults of `env_extra`, its own config in the run."""
     (run.path / "config.yaml").write_text(json.dumps({
@@ -260,6 +225,33 @@ def _toy_ranks(run: RunDir, env_extra: dict[str, str], diag: dict, world: int = 
     return procs
 
 
+def _agent_acts(run: RunDir) -> tuple[dict, dict]:
+    """Run the node agent until it acts on the hang (exit 76); the fault the toy injected and the hang it saw."""
+    agent = subprocess.run([sys.executable, "-m", "rlslurm.diag.watchdog", "--run-dir", str(run.path),
+                            "--parent-pid", "0"], capture_output=True, text=True, timeout=TIMEOUT_S + 90)
+    assert agent.returncode == ExitCode.HANG_DETECTED, agent.stdout + agent.stderr
+    (fault,) = read_events(run, "fault_injected")
+    (hang,) = read_events(run, "hang_detected")
+    return fault, hang
+
+
+def test_toy_entrance_spinning_rank_is_caught_by_its_own_guard_and_both_ranks_are_ended(run):
+    """jobs/toytrain.py wears the guard itself: a rank spinning in Python (RLSLURM_TEST_STALL=1@6:spin)
+    is named with its phase and frame, its peer waits in DDP's gradient all-reduce, policy fail ends both."""
+    from rlslurm.jobs.toytrain import STALL_ENV
+
+    procs = _toy_ranks(run, {STALL_ENV: "1@6:spin"}, {"hang_policy": "fail", "kill_grace_s": 1.0})
+    try:
+        fault, hang = _agent_acts(run)
+        assert hang["t"] - fault["t"] <= TIMEOUT_S + 5
+        assert hang["stuck"] == ["train-1"] and hang["waiting"] == ["train-0"] and hang["collective"] == "all_reduce"
+        assert "train-1 in the data phase step 6 at Faults.stall (" in hang["message"], hang["message"]
+        for p in procs:
+            assert p.wait(10) in (-signal.SIGTERM, -signal.SIGKILL)
+    finally:
+        _stop(procs)
+
+
 def test_a_rank_that_skips_an_all_reduce_is_named_with_the_op_and_sequence_number(run):
     """The classic desync: rank 1 skips the loss all_reduce of step 5 (RLSLURM_TEST_SKIP_COLLECTIVE), its next
     collective meets rank 0's out of order and both hang, each inside a collective. Their stacks alone show two
@@ -268,11 +260,7 @@ def test_a_rank_that_skips_an_all_reduce_is_named_with_the_op_and_sequence_numbe
 
     procs = _toy_ranks(run, {SKIP_ENV: "1@5"}, {"hang_policy": "fail", "kill_grace_s": 1.0})
     try:
-        agent = subprocess.run([sys.executable, "-m", "rlslurm.diag.watchdog", "--run-dir", str(run.path),
-                                "--parent-pid", "0"], capture_output=True, text=True, timeout=TIMEOUT_S + 90)
-        assert agent.returncode == ExitCode.HANG_DETECTED, agent.stdout + agent.stderr
-        (fault,) = read_events(run, "fault_injected")
-        (hang,) = read_events(run, "hang_detected")
+        fault, hang = _agent_acts(run)
         evidence = f"{fault}\n{hang}"
         assert fault["fault"] == "skip_collective" and fault["seq"] > 1, evidence
         who = hang["attribution"]
