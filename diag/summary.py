@@ -180,7 +180,7 @@ def classify(facts: Facts) -> list[Cause]:
     elif hit:
         causes.append(Cause("reward_down", f"reward service down: {hit[0]}: {hit[1].group(0)}"))
     lost = ev.select(facts.events, ev.NODE_LOST)
-    if lost and not ev.select(now_events, *ev.FINISHED):  # a job that came back and finished: evidence only
+    if lost:
         e = lost[-1]
         causes.append(Cause("node_failure", f"node failure: {e.get('node')} lost ({e.get('state')}, reason: "
                             f"{e.get('reason')}); SLURM requeued the job off it (restart {e.get('restart_count')})",
@@ -212,9 +212,6 @@ def classify(facts: Facts) -> list[Cause]:
         causes.append(Cause("finished", "finished OK" + (f" ({len(exited)} processes exited cleanly)" if exited else "")))
     if not causes:
         causes.append(Cause("unknown", f"no cause found (SLURM state {state or 'unknown'}); read the log tails"))
-    if causes[0].kind != "node_failure":
-        causes[0].evidence += [f"node lost: {e.get('node')} ({e.get('state')}, reason: {e.get('reason')}), "
-                               f"restart {e.get('restart_count')}" for e in lost]
     for e in ev.select(earlier, ev.HANG_DETECTED, ev.PHASE_FAILED, ev.ENGINE_FAILED, ev.SYNC_VERIFY_FAILED,
                        ev.REWARD_SERVICE_DOWN, ev.DRAINED):
         causes[0].evidence.append(f"earlier attempt: {e.get('kind')} {_said(e)}".rstrip())

@@ -96,9 +96,9 @@ def test_a_node_cut_off_mid_step_is_named_and_the_job_requeued_off_it(slurm_clus
     assert su.last_step(run) == STEPS
     result = CliRunner().invoke(cli, ["diag", str(run), "--out", str(tmp_path / "bundle"), "--no-live"])
     assert result.exit_code == 0, result.output
-    assert f"node lost: {rollout}" in result.output, result.output
-    print(f"MEASURE cut link of {rollout}: requeued and finished {lost['t'] - cut_at:.1f} s after the cut "
-          f"(node_lost named at restart), done {took:.1f} s after")
+    assert f"node failure: {rollout} lost (" in result.output, result.output
+    print(f"MEASURE cut link of {rollout}: the restart off it named the node {lost['t'] - cut_at:.1f} s after the "
+          f"cut (SlurmdTimeout 20 s, then SLURM's requeue); the job was done {took:.1f} s after the restart appeared")
     _return_to_service(rollout)
 
 
