@@ -22,6 +22,11 @@ if TYPE_CHECKING:
     from rlslurm.plan.options import Option
     from rlslurm.plan.report import Plan
 
+
+def timeouts(plan: Plan):
+    from rlslurm.plan.report import timeouts as chain
+    return chain(plan)
+
 WIDTH = 132
 
 
@@ -184,6 +189,7 @@ def _sections(plan: Plan, problems: list[str], explain: bool) -> list[Any]:
                   f"RL steps of {plan.rl_step_s.text()}"]
     if explain:
         lines.append(f"    Young = sqrt(2 x C {ckc.cost_s:g} s x MTBF {ckc.mtbf_h * 3600:g} s) = {ck.young_s:,.0f} s")
+    lines += [""] + timeouts(plan).lines()
     lines += [""] + [f"warning: {w}" for w in plan.warnings]
     lines += ([f"preflight: REFUSE: {pr}" for pr in problems] if problems
               else ["preflight: ok (rlslurm submit would run this split)"])
@@ -267,6 +273,7 @@ def as_json(plan: Plan, problems: list[str]) -> str:
         "checkpoint": {"young_s": round(plan.checkpoint.young_s, 2), "daly_s": round(plan.checkpoint.daly_s, 2),
                        "young_steps": plan.checkpoint.young_steps, "daly_steps": plan.checkpoint.daly_steps,
                        "step_s": plan.checkpoint_step_s.value, "cap_s": plan.checkpoint_cap_s, "rl_step_s": round(plan.rl_step_s.value, 4)},
+        "timeout_chain": timeouts(plan).as_json(),
         "warnings": plan.warnings,
         "preflight_problems": problems,
     }

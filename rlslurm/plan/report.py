@@ -29,6 +29,7 @@ from rlslurm.plan.quantity import Q
 from rlslurm.plan.recompute import MODES, forward_flops, recompute_factor, recompute_scale
 from rlslurm.plan.splits import Split, advice, all_splits, recommend
 from rlslurm.plan.steptime import Amortisation, RewardPhase, StepSplit, SyncMethod, amortise, reward_phase, sync_times
+from rlslurm.plan.timeouts import Chain, timeout_chain
 
 
 @dataclass(frozen=True)
@@ -210,10 +211,18 @@ def _warnings(plan: Plan) -> list[str]:
 
 def preflight(plan: Plan) -> list[str]:
     """Reasons `rlslurm submit` must refuse this job (empty = go): broken rules, OOM, a placement or sync
-    method the job cannot run (rlslurm/plan/options.py names each)."""
+    method the job cannot run (rlslurm/plan/options.py names each), a timeout chain that cannot work
+    (rlslurm/plan/timeouts.py)."""
     o = plan.option
     where = f"{o.placement}, {o.split.train_gpus} training GPUs"
-    return [r.message for r in plan.static_broken] + [f"{where}: {b}" for b in o.blockers]
+    return ([r.message for r in plan.static_broken] + [f"{where}: {b}" for b in o.blockers]
+            + timeouts(plan).problems())
+
+
+def timeouts(plan: Plan) -> Chain:
+    """The job's timeout chain (rlslurm/plan/timeouts.py); the drain's step is the plan's step time."""
+    step = plan.rl_step_s if plan.job.job.kind == "rl" else plan.checkpoint_step_s
+    return timeout_chain(plan.job, step_s=step.value)
 
 
 def render_text(plan: Plan, explain: bool = False) -> str:

@@ -18,10 +18,16 @@ Layout (facts behind it: /work/shared/notes/slurm-local.md):
                          het job wait forever behind its own components.
     urgent     n[1-5]    PriorityTier=10: a job here preempts (REQUEUEs) jobs of the others; for tests
 
+Network: each node in a network namespace of its own, with its own address on a private bridge
+(rlslurm/slurm/netns.py: 10.A.B.11-15, A.B from the port base); slurmctld and munged stay in the root
+namespace, which the nodes reach at its own address. RLSLURM_LOCAL_NODE_NETWORK=0 puts every node on
+127.0.0.1 instead (the fallback where namespaces cannot be made).
+
 Ports: slurmctld `port_base` (16817 by default, or $RLSLURM_SLURM_PORT_BASE), slurmd port_base+184 ..
 +188; two clusters on one machine need two port bases (and two dirs). Job ids start at
 1 + 1000 * (port_base - 16817), so jobs of two clusters never derive the same rendezvous port.
-cred_expire=5 makes a requeued job restart after ~6 s instead of ~136 s. Accounting is off; finished jobs
+cred_expire=5 makes a requeued job restart after ~6 s instead of ~136 s. SlurmdTimeout=20: a node that stops
+answering (its link cut) is DOWN, and its jobs requeued off it, after ~20 s instead of 300. Accounting is off; finished jobs
 are in `jobcomp.txt` (read with `sacct -c`, see commands.sacct).
 """
 
@@ -40,6 +46,7 @@ from typing import Callable
 
 from rlslurm.errors import SlurmCommandError
 from rlslurm.slurm import commands
+from rlslurm.slurm.netns import NodeNetwork, host_address
 
 log = logging.getLogger("rlslurm.slurm.localcluster")
 
@@ -48,11 +55,12 @@ CTLD_PORT = 16817
 SLURMD_PORT_OFFSET = 184  # slurmd ports sit this far above slurmctld's (17001-17005 by default)
 PARTITIONS = {"train": "n[1-2]", "rollout": "n[3-4]", "cpu": "n5"}
 URGENT_PARTITION = "urgent"
+NODE_NETWORK_ENV = "RLSLURM_LOCAL_NODE_NETWORK"
 
 SLURM_CONF = """\
 # Written by rlslurm.slurm.localcluster: a throwaway test cluster, all state under {d}
 ClusterName=rlslurm-local
-SlurmctldHost=localhost
+SlurmctldHost={ctld_host}
 SlurmUser=root
 SlurmctldPort={ctld_port}
 FirstJobId={first_job_id}
@@ -79,13 +87,14 @@ PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
 JobRequeue=1
 KillWait=5
+SlurmdTimeout=20
 MinJobAge=600
 InactiveLimit=0
 JobCompType=jobcomp/filetxt
 JobCompLoc={d}/jobcomp.txt
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
-NodeName=n[1-5] NodeHostname=localhost NodeAddr=127.0.0.1 Port={slurmd_ports} CPUs=2 RealMemory=2000 State=UNKNOWN
+{node_lines}
 {partitions}
 PartitionName={urgent} Nodes=n[1-5] PriorityTier=10 MaxTime=INFINITE State=UP
 """
@@ -97,6 +106,9 @@ class LocalCluster:
 
     dir: Path
     port_base: int = int(os.environ.get("RLSLURM_SLURM_PORT_BASE", CTLD_PORT))
+    node_network: bool = os.environ.get(NODE_NETWORK_ENV, "1") != "0"
+    """Each node in a network namespace of its own with its own address (rlslurm/slurm/netns.py); False (or
+    RLSLURM_LOCAL_NODE_NETWORK=0): every node on 127.0.0.1, the fallback where namespaces cannot be made."""
 
     conf = property(lambda self: self.dir / "slurm.conf")
     munge_socket = property(lambda self: self.dir / "munge.sock")
@@ -118,10 +130,30 @@ class LocalCluster:
         parts = "\n".join(f"PartitionName={p} Nodes={n} Default={'YES' if p == 'train' else 'NO'} "
                           f"PriorityTier=1 MaxTime=INFINITE State=UP" for p, n in PARTITIONS.items())
         first = self.port_base + SLURMD_PORT_OFFSET
-        ports = f"{first}-{first + len(NODES) - 1}"
-        self.conf.write_text(SLURM_CONF.format(d=d, ctld_port=self.port_base, slurmd_ports=ports,
+        net = self.network()
+        if net is None:
+            ctld_host = "localhost"
+            nodes = (f"NodeName=n[1-5] NodeHostname=localhost NodeAddr=127.0.0.1 Port={first}-{first + len(NODES) - 1} "
+                     "CPUs=2 RealMemory=2000 State=UNKNOWN")
+        else:  # slurmctld stays in the root namespace; the nodes reach it at the host's own address
+            ctld_host = f"localhost({net.host})"
+            nodes = "\n".join(f"NodeName={n} NodeHostname=localhost NodeAddr={net.address(n)} Port={first + i} "
+                              "CPUs=2 RealMemory=2000 State=UNKNOWN" for i, n in enumerate(NODES))
+        self.conf.write_text(SLURM_CONF.format(d=d, ctld_port=self.port_base, ctld_host=ctld_host, node_lines=nodes,
                                                first_job_id=1 + 1000 * (self.port_base - CTLD_PORT),
                                                partitions=parts, urgent=URGENT_PARTITION))
+
+    def network(self) -> NodeNetwork | None:
+        """The nodes' private network (None with node_network off); the same for every call of one cluster."""
+        return NodeNetwork.for_port_base(self.port_base, NODES, host=self._host()) if self.node_network else None
+
+    def _host(self) -> str:
+        """The host address the network was made with (kept in the cluster's dir for `down` and the tests)."""
+        path = self.dir / "host-address"
+        if not path.exists():
+            self.dir.mkdir(parents=True, exist_ok=True)
+            path.write_text(host_address())
+        return path.read_text().strip()
 
     def up(self, *, timeout_s: float = 30.0, clock: Callable[[], float] = time.monotonic,
            sleep: Callable[[float], None] = time.sleep) -> float:
@@ -138,9 +170,13 @@ class LocalCluster:
         _daemon(["munged", f"--socket={self.munge_socket}", f"--key-file={d / 'munge.key'}",
                  f"--pid-file={d / 'munged.pid'}", f"--log-file={d / 'munged.log'}",
                  f"--seed-file={d / 'munged.seed'}", "--force"], d / "munged.out")
+        net = self.network()
+        if net is not None:
+            net.up()
         _daemon(["slurmctld", "-f", str(self.conf), "-c"], d / "slurmctld.out")
         for node in NODES:
-            _daemon(["slurmd", "-f", str(self.conf), "-N", node], d / f"slurmd-{node}.out")
+            prefix = net.exec_prefix(node) if net is not None else []
+            _daemon([*prefix, "slurmd", "-f", str(self.conf), "-N", node], d / f"slurmd-{node}.out")
         self.wait_idle(timeout_s=timeout_s - (clock() - started), clock=clock, sleep=sleep)
         return clock() - started
 
@@ -201,6 +237,8 @@ class LocalCluster:
             if _alive(pid):
                 log.warning("%s (pid %d) ignored SIGTERM for %.0f s: SIGKILL", name, pid, grace_s)
                 os.kill(pid, signal.SIGKILL)
+        if self.node_network and (self.dir / "host-address").exists():
+            self.network().down()
         return sorted(pids)
 
     def _cancel_all_jobs(self, grace_s: float, clock: Callable[[], float],
