@@ -73,14 +73,17 @@ def sft_export(tmp_path_factory) -> Path:
 
 def rl_config(path: Path, run_root: Path, init_from: Path, *, method: str, colocate: bool = False,
               reward_component: bool = False, step_delay_s: float = 0.0, time_limit_min: int = 5,
-              signal_before_s: int = 30, max_no_progress_restarts: int = 3) -> Path:
+              signal_before_s: int = 30, max_no_progress_restarts: int = 3, backend: str = "torch",
+              steps: int = STEPS) -> Path:
     """The RL job's YAML: separate = 1 train node (2 ranks) + 1 rollout node (1 engine); colocate = 1 node.
-    reward_component: + the reward service as het component 2 on the `cpu` partition (n5); else inline."""
+    reward_component: + the reward service as het component 2 on the `cpu` partition (n5); else inline.
+    backend megatron: Megatron-core's trainer with fp32 weights (the engine serves fp32)."""
     data = {
         "job": {"name": path.stem, "kind": "rl"},
         "hardware": {"profile": "cpu", "nodes": 1 if colocate else 2, "gpus_per_node": 2},
         "placement": {"mode": "colocate"} if colocate else {"mode": "separate", "rollout_nodes": 1},
-        "train": {"steps": STEPS, "lr": 3.0e-4, "seed": 0, "init_from": str(init_from), "step_delay_s": step_delay_s},
+        "train": {"steps": steps, "lr": 3.0e-4, "seed": 0, "init_from": str(init_from), "step_delay_s": step_delay_s,
+                  "backend": backend},
         # Synchronous: trajectory equality across a SLURM stop is asserted (docs/rl-overlap.md on k >= 1).
         "rl": {"prompts_per_step": 16, "samples_per_prompt": 8, "eval_every": 100, "max_staleness": 0},
         "parallel": {"micro_batch_size": 64},  # a rank's 64 samples in one forward, as before micro-batches
@@ -94,6 +97,8 @@ def rl_config(path: Path, run_root: Path, init_from: Path, *, method: str, coloc
     }
     if reward_component:
         data["reward"] = {"service": "component", "partition": "cpu", "batch_size": 64}
+    if backend == "megatron":
+        data["memory"] = {"weight_bytes": 4}
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
 
@@ -120,20 +125,20 @@ def run_rl(slurm_cluster, tmp_path: Path, init_from: Path, method: str, **config
     return sub.run_dir
 
 
-def assert_synced_every_step(run: Path, method: str) -> None:
-    """One verified sync per policy version (the start's, then one per step), nothing failed, and the
-    engine sampled with exactly the weights the trainer scored."""
+def assert_synced_every_step(run: Path, method: str, total: int = STEPS) -> None:
+    """One verified sync per policy version (the start's, then one per step of `total`), nothing failed, and
+    the engine sampled with exactly the weights the trainer scored."""
     verified = su.events(run, "sync_verified")
     assert {e["transport"] for e in verified} == {method}
-    assert sorted({e["version"] for e in verified}) == list(range(STEPS + 1))
+    assert sorted({e["version"] for e in verified}) == list(range(total + 1))
     assert not su.events(run, "sync_failed") and not su.events(run, "sync_verify_mismatch")
     rows = steps(run)
-    assert sorted({m["step"] for m in rows}) == list(range(1, STEPS + 1))
+    assert sorted({m["step"] for m in rows}) == list(range(1, total + 1))
     assert all(m["policy_version"] == m["step"] and m["staleness_max"] == 0 for m in rows)
     assert max(m["engine_trainer_logprob_gap"] for m in rows) < 1e-3
     assert sum(m["effective_samples"] for m in rows) > 0 and any(m["loss"] != 0.0 for m in rows)
     (done,) = su.events(run, "done")
-    assert (done["step"], done["policy_version"]) == (STEPS, STEPS)
+    assert (done["step"], done["policy_version"]) == (total, total)
 
 
 def assert_engines_exited_cleanly(run: Path, starts: int) -> None:
@@ -295,6 +300,55 @@ def test_drain_mid_rl_requeues_and_resumes_same_step_version_and_trajectory(slur
     assert_engines_exited_cleanly(run, starts=2)
     print("\n" + su.measure_line(f"RL drain by {trigger}", su.restart_timing(run, requeued_at, 1))
           + f" [asked at step >= 3, drained at step {step}, {drained['t'] - asked_at:.2f} s after the ask]")
+
+
+# -- train.backend megatron as the het job ---------------------------------------------------------------
+
+MEGATRON_STEPS = 6
+"""Steps of each Megatron het job: enough to drain one after step 2 and resume it."""
+
+
+@pytest.fixture(scope="module")
+def megatron_reference(slurm_cluster, sft_export, tmp_path_factory) -> Path:
+    """The uninterrupted het job with train.backend megatron, broadcast sync."""
+    return run_rl(slurm_cluster, tmp_path_factory.mktemp("megatron"), sft_export, "broadcast", backend="megatron",
+                  steps=MEGATRON_STEPS)
+
+
+def test_megatron_het_job_syncs_every_step_and_a_drained_one_resumes_to_its_trajectory(
+        slurm_cluster, sft_export, megatron_reference, tmp_path):
+    """Megatron-core's DDP and distributed optimizer on the two trainer ranks of the `train` node (gloo), the
+    engine on a `rollout` node, each sync verified; `rlslurm drain <jobid>` mid-run checkpoints every rank's
+    optimizer shard, SLURM requeues the het job, and the resumed job makes the uninterrupted trajectory."""
+    reference = megatron_reference
+    assert_separate_placement(reference)
+    assert_synced_every_step(reference, "broadcast", MEGATRON_STEPS)
+    # Megatron trained: its policy's memory figure in every step, its optimizer shards in the checkpoint.
+    assert all(m["train_peak_rss_gb"] > 0 for m in steps(reference))
+    files = latest_complete(RunDir(reference), tidy=False).manifest["files"]
+    assert {"optimizer-rank00000.pt", "optimizer-rank00001.pt"} <= set(files), files
+
+    sub = su.submit(rl_config(tmp_path / "rl-megatron-drain.yaml", tmp_path / "runs", sft_export, method="broadcast",
+                              backend="megatron", steps=MEGATRON_STEPS))
+    run = sub.run_dir
+    su.wait_for("RL step 2", lambda: max((m["step"] for m in steps(run)), default=0) >= 2, JOB_TIMEOUT_S)
+    result = CliRunner().invoke(cli, ["drain", sub.job_id, "--run-root", str(run.parent), "--reason", "test"],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    su.wait_done(sub.job_id, run, JOB_TIMEOUT_S, slurm_cluster.kick)
+    (drained,) = su.events(run, "drained")
+    step = drained["step"]
+    assert 2 <= step < MEGATRON_STEPS and drained["requeued"] is True
+    (resume,) = su.events(run, "resume")
+    assert (resume["step"], resume["restart_count"]) == (step, 1)
+    assert commands.show_job(sub.job_id)[0]["Restarts"] == "1"
+    # The drain's checkpoint (pruned by now) had both ranks' shards, as the last one has: the resumed Adam.
+    files = latest_complete(RunDir(run), tidy=False).manifest["files"]
+    assert {"optimizer-rank00000.pt", "optimizer-rank00001.pt"} <= set(files), files
+    assert trajectory(run) == trajectory(reference)
+    print(f"\nMEASURE Megatron RL het job, sync broadcast: {wall_s(reference):.1f} s submit -> done "
+          f"({MEGATRON_STEPS} steps, {sum(m['step_s'] for m in steps(reference)):.1f} s in steps); drained at step "
+          f"{step}, resumed: trajectory equal")
 
 
 # -- the reward service as het component 2, and the spine's other stops (preemption, SIGKILL, time limit) --
