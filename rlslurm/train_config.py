@@ -11,8 +11,8 @@ from rlslurm.configfile import check, check_path, check_range
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     backend: Literal["torch", "megatron"] = "torch"
-    """torch = DDP trainer (CPU default); megatron = Megatron-core (rlslurm/megatron/policy.py): job.kind rl
-    only, a CUDA GPU on every trainer rank at run time (on CPU the job stops with an error naming the fix)."""
+    """torch = DDP trainer on the HF model; megatron = Megatron-core's GPTModel, DDP and distributed optimizer
+    (rlslurm/megatron/: sft.py for job.kind sft, policy.py for rl), on the GPU or over gloo on the CPU."""
     steps: int = 20
     """Optimizer steps the job runs in total (across requeues). Range [1, 1e8]."""
     lr: float = 1e-3

@@ -158,8 +158,8 @@ class Policy(RLPolicy):
 
 
 def make_policy(job: JobConfig, topo: Topology, model_dir: Path) -> RLPolicy:
-    """train.backend: torch = Policy above (DDP); megatron = rlslurm/megatron/policy.py (same interface,
-    GPU only: on CPU it raises an RlslurmError naming the fix)."""
+    """train.backend: torch = Policy above (DDP); megatron = rlslurm/megatron/policy.py (same interface;
+    Megatron's DDP and distributed optimizer, on the GPU under NCCL or the CPU over gloo)."""
     if job.train.backend == "megatron":
         from rlslurm.megatron.policy import MegatronPolicy
 

@@ -17,6 +17,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = "model.layers=2 model.hidden=128 model.heads=4 model.kv_heads=2 model.ffn_hidden=256"
 """The job's model, cut down for two shared CPU cores (the box runs examples/tiny-grpo-gpu.yaml as it is). The

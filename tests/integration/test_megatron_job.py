@@ -33,6 +33,8 @@ from rlslurm.events import read_events
 from rlslurm.rundir import RunDir, read_jsonl
 from waiting import wait_for
 
+pytestmark = pytest.mark.slow
+
 MEGATRON = ("train.backend=megatron", "memory.weight_bytes=4")
 """fp32 weights on CPU (bf16 would train too, but far from the fp32 engine's log-probs)."""
 SFT_STEPS = 1200
