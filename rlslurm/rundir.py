@@ -11,6 +11,7 @@
     <run>/checkpoints/       step-XXXXXXXX/ complete checkpoints, `latest` pointer
     <run>/logs/              SLURM / submitit logs and per-rank logs
     <run>/control/           requests to the running job (e.g. `drain`)
+    <run>/secret             the job's secret (mode 0600): every server of the job requires it (rlslurm/secret.py)
 
 Processes find it from the RLSLURM_RUN_DIR environment variable that submit sets.
 """
@@ -61,6 +62,7 @@ class RunDir:
     checkpoints = property(lambda self: self.path / "checkpoints")
     logs = property(lambda self: self.path / "logs")
     control = property(lambda self: self.path / "control")
+    secret = property(lambda self: self.path / "secret")
 
     def append_json(self, path: Path, record: dict) -> None:
         """Append one JSON line with a single write(2) on an O_APPEND fd: concurrent writers never interleave."""

@@ -36,7 +36,7 @@ from typing import Iterable, Iterator, Sequence
 import torch
 
 from rlslurm.errors import ConfigError
-from rlslurm.rollout.engine import Completion, Engine, Prompt, SamplingParams, WeightLoadError
+from rlslurm.rollout.engine import Completion, Control, Engine, Prompt, SamplingParams, WeightLoadError, model_facts
 
 _PROBE_ROWS = 1024  # identity rows per GEMM call when reading a packed weight back (bounds the temporary)
 
@@ -227,6 +227,7 @@ class VLLMEngine(Engine):
         self.model_dir = Path(model_dir)
         self.model_name = name or self.model_dir.name
         self.version = version
+        self.vocab_size, self.context_tokens = model_facts(self.model_dir)
         self.skip_repack = skip_repack
         # Eager: a compiled graph could bake the packed-weight handle in as a constant, and an update
         # re-packs into a new one; compiling on a small CPU host also costs more than it saves.
@@ -249,7 +250,8 @@ class VLLMEngine(Engine):
         return result
 
     # -- generation ------------------------------------------------------------------------------
-    def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[list[Completion]]:
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams,
+                 control: Control | None = None) -> list[list[Completion]]:
         import vllm
 
         encoded = [self.encode(p) for p in prompts]
@@ -262,10 +264,13 @@ class VLLMEngine(Engine):
         inputs = [{"prompt_token_ids": ids} for ids in encoded]
         with self._lock:
             version = self.version
-            outputs = self.llm.generate(inputs, sampling, use_tqdm=False)
+            outputs = self._run(inputs, sampling, control)
         results: list[list[Completion]] = []
         for p, out in enumerate(outputs):
             per_prompt = []
+            if out is None:  # stopped by `control`: its caller gets no result
+                results.append(per_prompt)
+                continue
             for sample in sorted(out.outputs, key=lambda o: o.index):
                 tokens = list(sample.token_ids)
                 logprobs = [step[t].logprob for step, t in zip(sample.logprobs or [], tokens)]
@@ -277,6 +282,27 @@ class VLLMEngine(Engine):
                     version=version, prompt_token_ids=encoded[p]))
             results.append(per_prompt)
         return results
+
+    def _run(self, inputs: list[dict], sampling, control: Control | None) -> list:
+        """LLM.generate's own loop (enqueue, then step the engine until done), with `control` asked after
+        every step and the prompts it stops aborted in the engine (vLLM's abort_request): a caller that
+        left or ran out of time costs at most one more step. Outputs in prompt order; None = aborted."""
+        engine = self.llm.llm_engine
+        ids = self.llm.enqueue(inputs, sampling, use_tqdm=False)
+        index = {rid: i for i, rid in enumerate(ids)}
+        done: dict[int, object] = {}
+        aborted: set[str] = set()
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished and out.request_id in index:
+                    done[index[out.request_id]] = out
+            flags = control.step() if control is not None else None
+            if flags:
+                stop = [rid for rid, i in index.items() if flags[i] and i not in done and rid not in aborted]
+                if stop:
+                    engine.abort_request(stop)
+                    aborted.update(stop)
+        return [done.get(i) for i in range(len(ids))]
 
     # -- weights -----------------------------------------------------------------------------------
     def checksums(self) -> dict[str, str]:
