@@ -97,7 +97,15 @@ class RewardConfig:
     format_regex: str | None = None
     """Rule scorer: a response that does not match this (re.search) scores 0 with reason `format`."""
     port: int = 0
-    """Port of the local service on 127.0.0.1; 0 = a free one chosen at start and kept across restarts."""
+    """Port of the local service; 0 = a free one chosen at start and kept across restarts."""
+    open_data_plane: bool = False
+    """Score (POST /score) for callers without the job's secret too; false: only the job's own. /health is
+    always open, /metrics never."""
+    max_items_per_request: int = 1024
+    """Items one POST /score may carry; more is a 400 (reward.batch_size must fit)."""
+    max_item_bytes: int = 65536
+    """Bytes of one item's text (response + prompt + reference + tests + id); a larger item comes back
+    unscored, and the scorer never sees it."""
     health_interval_s: float = 1.0
     """Seconds between the supervisor's health checks."""
     health_timeout_s: float = 2.0
@@ -114,6 +122,11 @@ class RewardConfig:
     def __post_init__(self):
         check(self.concurrency >= 1, "concurrency", "must be >= 1")
         check(self.batch_size >= 1, "batch_size", "must be >= 1 (responses per request)")
+        check(self.max_items_per_request >= 1, "max_items_per_request", "must be >= 1")
+        check(self.batch_size <= self.max_items_per_request, "batch_size",
+              f"= {self.batch_size} is over reward.max_items_per_request = {self.max_items_per_request}: "
+              "the service would refuse every request")
+        check(self.max_item_bytes >= 1024, "max_item_bytes", "must be >= 1024 (bytes)")
         check(self.latency_s >= 0, "latency_s", "must be >= 0 (seconds)")
         check(self.timeout_s > 0, "timeout_s", "must be > 0 (seconds)")
         check(self.retries >= 0, "retries", "must be >= 0")
