@@ -108,8 +108,8 @@ class EngineServer:
         try:
             nbytes = transport_receive(landing)
             landing.finish()  # staged: the landed tensors' checksums, part of UPDATE
-        except WeightLoadError as e:
-            raise HTTPException(400, str(e)) from None
+        except (WeightLoadError, ValueError, FileNotFoundError) as e:  # the update's fault, not the engine's
+            raise HTTPException(400, f"{type(e).__name__}: {e}") from None
         return {"bytes": nbytes, "seconds": time.monotonic() - t0}
 
     def verify(self, expected: dict[str, str]) -> dict:
@@ -243,8 +243,11 @@ def build_app(server: EngineServer, token: str, *, open_data: bool = False,
     @app.post("/admin/broadcast/join")
     def broadcast_join(body: schema.BroadcastJoin):
         server.group = None
-        server.group = BroadcastGroup.join(body.addr, body.port, body.rank, body.world_size, body.timeout_s,
-                                           generation=body.generation)
+        try:
+            server.group = BroadcastGroup.join(body.addr, body.port, body.rank, body.world_size, body.timeout_s,
+                                               generation=body.generation)
+        except RuntimeError as e:  # the trainer's store unreachable, a peer missing: the trainer retries
+            raise HTTPException(502, f"broadcast join failed: {e}") from None
         return {"rank": server.group.rank, "world_size": server.group.world_size}
 
     @app.post("/admin/update/broadcast")
@@ -262,11 +265,8 @@ def build_app(server: EngineServer, token: str, *, open_data: bool = False,
     def update_ipc(body: schema.UpdateIpc):
         manifest, handles = [m.model_dump() for m in body.manifest], [h.model_dump() for h in body.handles]
         ready = body.ready.model_dump() if body.ready is not None else None
-        try:
-            return server.receive(lambda landing: ipc.receive(manifest, body.bucket_bytes, handles, landing,
-                                                              ready=ready, timeout_s=body.timeout_s))
-        except ValueError as e:  # a handle or FIFO off the schema: refused, nothing mapped
-            raise HTTPException(400, f"ipc update refused: {e}") from None
+        return server.receive(lambda landing: ipc.receive(manifest, body.bucket_bytes, handles, landing,
+                                                          ready=ready, timeout_s=body.timeout_s))
 
     @app.get("/admin/checksum")
     def checksum():

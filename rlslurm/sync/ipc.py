@@ -143,9 +143,16 @@ def _attach(handle: dict) -> torch.Tensor:
     if handle["kind"] == "cuda":
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-        return rebuild_cuda_tensor(*decode_cuda(handle))
-    storage = torch.UntypedStorage._new_shared_filename_cpu(
-        handle["manager"].encode(), handle["name"].encode(), int(handle["nbytes"]))
+        args = decode_cuda(handle)
+        try:
+            return rebuild_cuda_tensor(*args)
+        except (RuntimeError, AssertionError) as e:  # no CUDA here (torch asserts), a stale or foreign handle
+            raise ValueError(f"cannot map a CUDA IPC handle: {type(e).__name__}: {e}") from None
+    try:
+        storage = torch.UntypedStorage._new_shared_filename_cpu(
+            handle["manager"].encode(), handle["name"].encode(), int(handle["nbytes"]))
+    except RuntimeError as e:  # no such segment (a trainer gone, a made-up handle): the update is refused
+        raise ValueError(f"cannot map shared memory {handle['name']}: {e}") from None
     return torch.empty(0, dtype=torch.uint8).set_(storage)
 
 

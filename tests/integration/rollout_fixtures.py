@@ -25,12 +25,12 @@ def save_tokenizer(path: Path) -> None:
     fast.save_pretrained(path)
 
 
-def tiny_llama(seed: int, hidden: int = 32, layers: int = 2):
+def tiny_llama(seed: int, hidden: int = 32, layers: int = 2, context: int = 128):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=len(SPECIALS) + len(CHARS), hidden_size=hidden,
                          intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.2,
+                         num_key_value_heads=2, max_position_embeddings=context, initializer_range=0.2,
                          bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
     torch.manual_seed(seed)
     return LlamaForCausalLM(config).eval()
@@ -56,13 +56,14 @@ def weights(model) -> dict[str, torch.Tensor]:
 PROMPTS = ["abc", "2 + 3 =", "hello", "the cat sat", "xyz", "7 + 1 ="]
 
 
-def start_engine(model_dir: Path, log_dir: Path, **kwargs):
-    """A real engine server process on a free loopback port (1 torch thread: the host is small)."""
+def start_engine(model_dir: Path, log_dir: Path, *extra: str, **kwargs):
+    """A real engine server process on a free loopback port (1 torch thread: the host is small); `extra`
+    are more server flags."""
     from rlslurm.rollout.client import spawn_engine
     from rlslurm.sync.broadcast import free_port
 
     return spawn_engine(model_dir, port=free_port(), log_path=log_dir / "engine.log",
-                        extra_args=["--threads", "1", "--name", "policy"],
+                        extra_args=["--threads", "1", "--name", "policy", *extra],
                         env={"HF_HUB_OFFLINE": "1"}, **kwargs)
 
 
