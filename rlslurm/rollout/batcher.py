@@ -162,6 +162,7 @@ class Batcher:
         self._wake = threading.Event()  # ends a debug stall at once when the server stops
         self._thread: threading.Thread | None = None
         self.batches = 0
+        self.steps = 0  # decoding steps of all batches: what /health shows moving
         self.dropped: dict[str, int] = {"deadline": 0, "disconnected": 0, "stopped": 0}
         self.last_progress = clock()
 
@@ -172,6 +173,7 @@ class Batcher:
     def abort_all(self, message: str = "engine server is stopping") -> None:
         """Drop every queued and running job (503) and take no more: the first thing a SIGTERM does."""
         with self._cond:
+            log.info("%s: dropping %d queued and %d running requests", message, len(self._pending), len(self._running))
             self._stopping = Dropped(message, 503)
             for job in list(self._pending):
                 self._drop_queued(job, self._stopping, "stopped")
@@ -321,6 +323,7 @@ class _Control:
         b = self.batcher
         now = b.clock()
         b.last_progress = now
+        b.steps += 1
         late = [j for j in self.jobs if j.stop is None and now > j.deadline]
         if late:
             error = Dropped("request ran past its deadline while generating (rollout.request_timeout_s)", 504)

@@ -12,7 +12,7 @@ CHARS = string.ascii_lowercase + string.digits + " +=?.,"
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 
 
-def save_tokenizer(path: Path) -> None:
+def save_tokenizer(path: Path, eos: bool = True) -> None:
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -20,7 +20,7 @@ def save_tokenizer(path: Path) -> None:
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>" if eos else None,
                                    pad_token="<pad>", unk_token="<unk>")
     fast.save_pretrained(path)
 
@@ -36,10 +36,14 @@ def tiny_llama(seed: int, hidden: int = 32, layers: int = 2, context: int = 128)
     return LlamaForCausalLM(config).eval()
 
 
-def save_model(model, path: Path) -> Path:
+def save_model(model, path: Path, eos: bool = True) -> Path:
+    """`model` and the fixtures' tokenizer in HF layout; eos=False: no end-of-sequence token at all, so
+    every sample runs to max_tokens (a generation as long as a test needs)."""
     path.mkdir(parents=True, exist_ok=True)
+    if not eos:
+        model.config.eos_token_id = model.generation_config.eos_token_id = None
     model.save_pretrained(path)
-    save_tokenizer(path)
+    save_tokenizer(path, eos)
     return path
 
 

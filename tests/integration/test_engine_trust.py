@@ -296,13 +296,12 @@ def test_a_disconnected_clients_queued_work_never_runs(wedged):
 
 
 def test_sigterm_ends_an_engine_within_5_s_with_a_request_in_flight(tmp_path):
-    model = save_model(tiny_llama(0, context=4096), tmp_path / "long")
+    model = save_model(tiny_llama(0, context=4096), tmp_path / "long", eos=False)  # every sample runs 4000 tokens
     proc = start_engine(model, tmp_path, "--max-tokens", "4000", "--max-n", "16")
     out: list = []
     try:
         thread = _post_in_thread(proc, {"prompt": "abc", "n": 16, "max_tokens": 4000, "temperature": 1.0}, out)
-        wait_for("generation to start", lambda: proc.client.health()["batches"] >= 1, timeout_s=20)
-        time.sleep(1.0)
+        wait_for("the generation to be under way", lambda: proc.client.health()["steps"] > 20, timeout_s=60)
         assert not out, "the generation finished too soon to test a stop in the middle of it"
         started = time.monotonic()
         proc.proc.send_signal(signal.SIGTERM)
