@@ -155,7 +155,7 @@ def measure(method: str, tensors: dict, client, folder: Path, reps: int, version
 
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     cfg = SyncConfig(method=method, timeout_s=120.0, bucket_mb=bucket_mb)
-    transport = transport_for(cfg, weights_dir=folder / "weights")
+    transport = transport_for(method, cfg, weights_dir=folder / "weights")
     sync = WeightSync([client], transport, cfg)
     raw = {"disk": lambda: RawDisk(nbytes, folder), "broadcast": lambda: RawBroadcast(nbytes, WARMUP + reps),
            "ipc": lambda: RawIpc(nbytes)}[method]()

@@ -4,7 +4,7 @@
     print(bundle.summary)                                           # names the most likely cause
 
 Contents (under diag-<run>-<stamp>/): summary.txt/.json; slurm/ (scontrol show job, sacct or sacct -c);
-run/ (config.yaml, plan.json, jobs.jsonl, submissions.jsonl, events.jsonl, metrics tail, rendered sbatch
+run/ (config.yaml, plan.json, layout.json, jobs.jsonl, submissions.jsonl, events.jsonl, metrics tail, rendered sbatch
 scripts); heartbeats.txt + heartbeats/; env/ fingerprints + env-diff.txt; stacks/ (dumps of hangs,
 faulthandler files, and a live py-spy dump of every process still running: on this host directly, on a
 running job's nodes through `srun --overlap` into the job); logs/ (the tail
@@ -36,6 +36,7 @@ from rlslurm.diag.env_diff import compare, read_fingerprints
 from rlslurm.diag.heartbeat import pid_alive, read_heartbeats, table, this_host
 from rlslurm.diag.stack_dump import dump_stack, py_spy_binary
 from rlslurm.errors import RlslurmError, RunDirError
+from rlslurm.layout import JobLayout
 from rlslurm.rundir import RunDir, read_jsonl
 
 REDACTED = "<redacted>"
@@ -280,7 +281,7 @@ def collect(target: str | Path, *, run_root: Path | None = None, out_dir: Path |
     files.update({f"slurm/{k}": v for k, v in slurm_texts.items()})
     if config is not None:
         files["run/config.yaml"] = yaml.safe_dump(red.structure(config), sort_keys=False)
-    for p in (run.plan, run.jobs, run.events, run.path / "submissions.jsonl"):
+    for p in (run.plan, run.layout, run.jobs, run.events, run.path / "submissions.jsonl"):
         if p.is_file():
             files[f"run/{p.name}"] = p.read_text(errors="replace")
     if run.metrics.is_file():
@@ -294,8 +295,10 @@ def collect(target: str | Path, *, run_root: Path | None = None, out_dir: Path |
     files["heartbeats.txt"] = table(beats)
     files.update({f"heartbeats/{hb['file']}": json.dumps(red.structure(hb), indent=1) for hb in beats})
     files.update({f"env/{k}.json": json.dumps(red.structure(v), indent=1, sort_keys=True) for k, v in fps.items()})
-    sync_method = ((config or {}).get("sync") or {}).get("method", "broadcast")
-    diff = compare(fps, sync_method="broadcast" if sync_method == "auto" else sync_method) if fps else None
+    # The sync method the job ran (what its plan decided at submit); a run without a layout is checked
+    # as strictly as broadcast needs.
+    sync_method = JobLayout.read(run).sync_method if run.layout.is_file() else "broadcast"
+    diff = compare(fps, sync_method=sync_method) if fps else None
     files["env-diff.txt"] = diff.render() if diff else "no env fingerprints\n"
 
     if run.stacks.is_dir():

@@ -31,24 +31,10 @@ from rlslurm import events, secret
 from rlslurm.config import JobConfig
 from rlslurm.configfile import to_dict
 from rlslurm.errors import JobFailedError, PreflightError, RlslurmError, SlurmCommandError
+from rlslurm.layout import JobLayout
 from rlslurm.rundir import ENV_VAR, RunDir, read_jsonl
 
 log = logging.getLogger("rlslurm.launch")
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How many nodes and tasks each component gets, derived from the config and the plan."""
-
-    train_nodes: int
-    train_tasks_per_node: int
-    rollout_nodes: int
-    rollout_tasks_per_node: int
-    reward_component: bool
-
-    @property
-    def train_world(self) -> int:
-        return self.train_nodes * self.train_tasks_per_node
 
 
 @dataclass(frozen=True)
@@ -59,21 +45,6 @@ class Submission:
     backend: str
     run_dir: Path
     job: object  # the submitit Job, to wait on its result
-
-
-def layout(job: JobConfig, rollout_nodes: int) -> Layout:
-    """Nodes and tasks per component. Colocated rollout (rollout_nodes = 0) runs inside component 0."""
-    hw, cl = job.hardware, job.cluster
-    tasks = cl.tasks_per_node or hw.gpus_per_node
-    needs_rollout = job.job.kind in ("rl", "toy")
-    rollout = rollout_nodes if needs_rollout else 0
-    if needs_rollout and job.placement.mode == "separate" and rollout == 0:
-        raise PreflightError("placement.mode = 'separate' but placement.rollout_nodes = 0: give rollout a node "
-                             "or set placement.mode: colocate")
-    engines_per_node = max(1, -(-job.rollout.engines // rollout)) if rollout else 0
-    return Layout(train_nodes=hw.nodes - rollout, train_tasks_per_node=tasks, rollout_nodes=rollout,
-                  rollout_tasks_per_node=engines_per_node,
-                  reward_component=job.reward.service == "component")
 
 
 def resolve_backend(job: JobConfig, override: str | None = None) -> str:
@@ -139,11 +110,12 @@ def submit(job: JobConfig, *, config_text: str, force: bool = False, backend: st
 
 def _launch(job: JobConfig, run: RunDir, plan, backend: str, **record) -> Submission:
     """Submit the run's job on `backend` and record it (submissions.jsonl, a `submitted` event)."""
-    lay = layout(job, plan.chosen.rollout_nodes if plan.placement == "separate" else 0)
+    lay = JobLayout.decide(job, plan, backend)
+    lay.write(run)  # before the job starts: every process of it reads its layout from here
     sub = _submit_slurm(job, run, lay) if backend == "slurm" else _submit_local(job, run, lay)
     run.append_json(run.path / "submissions.jsonl",
-                    {"t": time.time(), "job_id": sub.job_id, "backend": backend, "layout": lay.__dict__, **record})
-    events.emit(run, "submitted", job_id=sub.job_id, backend=backend, layout=lay.__dict__, **record)
+                    {"t": time.time(), "job_id": sub.job_id, "backend": backend, "layout": lay.to_dict(), **record})
+    events.emit(run, "submitted", job_id=sub.job_id, backend=backend, layout=lay.to_dict(), **record)
     return sub
 
 
@@ -200,7 +172,7 @@ def signs_of_life(run: RunDir, job: JobConfig, now: float) -> str | None:
     return None
 
 
-def _submit_slurm(job: JobConfig, run: RunDir, lay: Layout) -> Submission:
+def _submit_slurm(job: JobConfig, run: RunDir, lay: JobLayout) -> Submission:
     from rlslurm.jobs.entry import run_component
     from rlslurm.slurm.hetjob import Component, HetSlurmExecutor
 
@@ -235,7 +207,7 @@ def _submit_slurm(job: JobConfig, run: RunDir, lay: Layout) -> Submission:
     return Submission(job_id=str(sjob.job_id), backend="slurm", run_dir=run.path, job=sjob)
 
 
-def _submit_local(job: JobConfig, run: RunDir, lay: Layout) -> Submission:
+def _submit_local(job: JobConfig, run: RunDir, lay: JobLayout) -> Submission:
     import submitit
 
     from rlslurm.jobs.entry import run_component

@@ -2,6 +2,7 @@
 
     <run>/config.yaml        resolved config (defaults filled in)
     <run>/plan.json          the plan at submit time
+    <run>/layout.json        what the plan decided: placement, sync method, nodes, engines (rlslurm/layout.py)
     <run>/jobs.jsonl         one line per start of the job: SLURM job id, restart count, host, time
     <run>/events.jsonl       append-only events (rlslurm/events.py)
     <run>/metrics.jsonl      per-step metrics
@@ -53,6 +54,7 @@ class RunDir:
 
     config = property(lambda self: self.path / "config.yaml")
     plan = property(lambda self: self.path / "plan.json")
+    layout = property(lambda self: self.path / "layout.json")
     jobs = property(lambda self: self.path / "jobs.jsonl")
     events = property(lambda self: self.path / "events.jsonl")
     metrics = property(lambda self: self.path / "metrics.jsonl")

@@ -9,13 +9,15 @@ venv=${1:-.venv}
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"
 
-# binary -> Debian package; util-linux gives the reward sandbox unshare, prlimit and setpriv.
+# binary -> Debian package; the reward sandbox needs util-linux (unshare, prlimit, setpriv), bubblewrap
+# (bwrap) and libseccomp2 (its syscall filter, through the PyPI package pyseccomp).
 need_apt=()
 for pair in slurmctld:slurmctld slurmd:slurmd sbatch:slurm-client munged:munge \
-            unshare:util-linux prlimit:util-linux setpriv:util-linux; do
+            unshare:util-linux prlimit:util-linux setpriv:util-linux bwrap:bubblewrap; do
   bin=${pair%%:*}
   command -v "$bin" >/dev/null 2>&1 || [ -x "/usr/sbin/$bin" ] || [ -x "/usr/bin/$bin" ] || need_apt+=("${pair#*:}")
 done
+dpkg -s libseccomp2 >/dev/null 2>&1 || need_apt+=(libseccomp2)
 mapfile -t need_apt < <(printf '%s\n' "${need_apt[@]}" | sort -u | sed '/^$/d')
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then

@@ -1,6 +1,6 @@
-"""`train.backend = megatron`: the RL policy on Megatron-core (GPU only), beside jobs/rl.py's torch Policy.
+"""`train.backend = megatron`: the RL policy on Megatron-core (GPU only), beside rlslurm/rl/policy.py's torch Policy.
 
-    policy = MegatronPolicy(job, topo, model_dir)      # jobs/rl.py's make_policy picks it by train.backend
+    policy = MegatronPolicy(job, topo, model_dir)      # rlslurm/rl/policy.py's make_policy picks it by train.backend
     stats = policy.update(samples, guard)              # one clipped GRPO step; peak GPU memory in the stats
     weights = policy.weights()                         # rank 0: {HF name: fp32 tensor}, what the engines serve
 
@@ -10,9 +10,9 @@ The same interface as the torch Policy, so the RL loop does not know which one t
     DDP, distributed optimizer and schedule (rlslurm/megatron/trainer.py). Every rank takes the optimizer
     step, also one whose share is empty (a zero-weight row stands in), so no rank's weights fall behind.
   - `weights()` are the HF-named tensors of convert.export_hf, gathered over TP by every rank at the end
-    of `update` (jobs/rl.py asks rank 0 alone, and export_hf is collective) and kept on rank 0's GPU as
+    of `update` (the RL loop asks rank 0 alone, and export_hf is collective) and kept on rank 0's GPU as
     fp32, the dtype the engines serve (rollout server's --dtype float32) and VERIFY compares.
-  - `model` is an HF view (`HFView`): jobs/rl.py loads a checkpoint's HF tensors into it (every rank)
+  - `model` is an HF view (`HFView`): rlslurm/rl/checkpointing.py loads a checkpoint's HF tensors into it (every rank)
     and exports it with `save_hf` (rank 0). `optimizer` checkpoints the step count (rank 0) and, through
     `save_shards` on every rank, its share of Adam's moments and of the fp32 master weights.
 
@@ -37,8 +37,11 @@ from pathlib import Path
 
 import torch
 
+from rlslurm.diag.guard import PhaseGuard
 from rlslurm.errors import ConfigError, RlslurmError
 from rlslurm.modelspec import ModelConfig
+from rlslurm.rl.experience import Sample
+from rlslurm.rl.policy import RLPolicy
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +147,7 @@ class Packed:
 
 
 def pack(samples, pad_id: int) -> Packed:
-    """Right-padded tensors of `samples` (jobs/rl.py's Sample); an empty list gives one zero-weight row."""
+    """Right-padded tensors of `samples` (rlslurm/rl/experience.py's Sample); an empty list gives one zero-weight row."""
     width = max([len(s.prompt_ids) + len(s.response_ids) for s in samples] + [2])
     n = max(len(samples), 1)
     ids = torch.full((n, width), pad_id, dtype=torch.long)
@@ -190,7 +193,7 @@ def token_logprobs(gpt, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Ten
 
 # -- the policy -----------------------------------------------------------------------------------------
 
-class MegatronPolicy:
+class MegatronPolicy(RLPolicy):
     """The trained GPTModel (Megatron DDP + distributed optimizer) on this rank's GPU."""
 
     def __init__(self, job, topo, model_dir: str | Path):
@@ -239,7 +242,7 @@ class MegatronPolicy:
         self._hf = out
 
     def _data_parallel_share(self, samples: list) -> list:
-        """TP ranks must see the same batch: the union of their shares (jobs/rl.py deals one per rank)."""
+        """TP ranks must see the same batch: the union of their shares (the RL loop deals one per rank)."""
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
@@ -249,8 +252,9 @@ class MegatronPolicy:
         dist.all_gather_object(shares, list(samples), group=ps.get_tensor_model_parallel_group())
         return [s for share in shares for s in share]
 
-    def update(self, samples: list, guard) -> dict:
-        """One clipped GRPO step on this rank's share (same objective as jobs/rl.py's Policy.update)."""
+    def update(self, samples: list[Sample], guard: PhaseGuard, *, step_total: int | None = None) -> dict:
+        """One clipped GRPO step on this rank's share (same objective as rlslurm/rl/policy.py's Policy.update);
+        `step_total` = 0: no rank has a sample, every rank skips (None: the ranks count it here)."""
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -268,14 +272,16 @@ class MegatronPolicy:
         chunks = [batch.rows(i, i + micro) for i in range(0, batch.tokens.shape[0], micro)]
         # Every DP rank runs as many micro-batches (zero-weight ones pad a short share) and every rank takes
         # the step unless no rank has a sample: the distributed optimizer's gathers are collective.
-        most = torch.tensor([len(chunks)], device=batch.tokens.device)
-        anyone = torch.tensor([len(local)], device=batch.tokens.device)
-        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
-        dist.all_reduce(anyone, op=dist.ReduceOp.SUM)
-        if anyone.item() == 0:  # no rank has a sample: no step anywhere, the weights stay as they are
+        if step_total is None:
+            anyone = torch.tensor([len(samples)], device=batch.tokens.device)
+            dist.all_reduce(anyone, op=dist.ReduceOp.SUM)
+            step_total = int(anyone.item())
+        if step_total == 0:  # no rank has a sample: no step anywhere, the weights stay as they are
             memory = _memory_stats()
             self._export()
             return {"loss": 0.0, "tokens": 0, "kl": 0.0, "grad_norm": 0.0, **memory}
+        most = torch.tensor([len(chunks)], device=batch.tokens.device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
         while len(chunks) < most.item():
             chunks.append(_zero_rows(chunks[0]))
         with torch.no_grad():
@@ -348,10 +354,10 @@ def _memory_stats() -> dict:
             "train_peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9}
 
 
-# -- what jobs/rl.py reads as policy.model and policy.optimizer -------------------------------------------
+# -- what rlslurm/rl/checkpointing.py reads as policy.model and policy.optimizer -------------------------------------------
 
 class HFView:
-    """The policy in Hugging Face terms: jobs/rl.py's `load` puts a checkpoint's HF tensors in through
+    """The policy in Hugging Face terms: rlslurm/rl/checkpointing.py's `load` puts a checkpoint's HF tensors in through
     `load_state_dict` (collective: every rank), and `save_hf` exports it through `save_pretrained` (rank 0)."""
 
     def __init__(self, policy: MegatronPolicy):
@@ -381,7 +387,7 @@ class HFView:
 
 
 class OptimizerState:
-    """What jobs/rl.py checkpoints as the optimizer: the step count in `optimizer.pt` (rank 0), and each
+    """What rlslurm/rl/checkpointing.py checkpoints as the optimizer: the step count in `optimizer.pt` (rank 0), and each
     rank's share of Adam in its own `optimizer-rank<NNNNN>.pt` (`save_shards`, `load_shards`).
 
     Each of Megatron's optimizers wraps a torch optimizer (`.optimizer`) whose parameters are the fp32

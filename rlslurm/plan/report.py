@@ -141,8 +141,6 @@ def _warnings(plan: Plan) -> list[str]:
     if plan.placement == "colocate" and plan.sync_method != "ipc" and not _nccl_on_one_gpu(plan):
         out.append(f"sync.method = {plan.sync_method!r} while colocated: ipc would be "
                    f"{plan.syncs[plan.sync_method].value - plan.syncs['ipc'].value:.1f} s faster per step")
-    if plan.placement == "separate" and plan.sync_method == "ipc":
-        out.append("sync.method = 'ipc' needs colocation: engines on other nodes cannot share GPU memory")
     if plan.reward.used.value > plan.chosen.train_step.value:
         out.append(f"the reward phase ({plan.reward.used.text()}) is longer than training "
                    f"({plan.chosen.train_step.text()}): raise reward.concurrency")
@@ -151,7 +149,7 @@ def _warnings(plan: Plan) -> list[str]:
 
 def _nccl_on_one_gpu(plan: Plan) -> bool:
     """Broadcast sync between trainer rank 0 and colocated engines on a GPU cluster: one NCCL group with two
-    ranks on one device (jobs/rl.py spawns colocated engines in rank 0's environment, on its GPU). On the
+    ranks on one device (rlslurm/rl/engines.py spawns colocated engines in rank 0's environment, on its GPU). On the
     cpu profile the group is gloo, which has no such rule."""
     return plan.placement == "colocate" and plan.sync_method == "broadcast" and plan.job.hardware.profile != "cpu"
 
@@ -175,6 +173,10 @@ def preflight(plan: Plan) -> list[str]:
         elif not colo.host_ram_fits:
             problems.append(f"colocate with offload needs {colo.host_ram_per_node_gb.text()} host RAM per node "
                             f"> hardware.host_ram_gb = {plan.job.hardware.host_ram_gb:g}")
+    if plan.placement == "separate" and plan.sync_method == "ipc":
+        problems.append("sync.method = 'ipc' needs colocation (engines on other nodes cannot map the trainer's "
+                        "memory), and the plan places rollout separate: set placement.mode: colocate, or "
+                        "sync.method: broadcast or disk")
     if _nccl_on_one_gpu(plan):
         problems.append("sync.method = 'broadcast' with placement colocate on GPUs: the engines start beside trainer "
                         "rank 0 and share its GPU, and NCCL refuses two ranks of one group on one GPU ('Duplicate "

@@ -25,14 +25,18 @@ DEFAULT_RUBRIC = (
 @dataclass(frozen=True, kw_only=True)
 class SandboxConfig:
     mode: Literal["auto", "root", "userns"] = "auto"
-    """How code is isolated: root = a network + mount namespace and a dropped uid per slot (needs root);
-    userns = an unprivileged user + pid + network namespace (no uid of its own, no process-count limit);
-    auto = root when running as root, else userns."""
+    """How code is isolated (both: bubblewrap's namespaces, a read-only minimal filesystem, no capabilities,
+    no_new_privs, a seccomp filter): root = bwrap as root, then a dropped uid per slot (needs root);
+    userns = an unprivileged user namespace (the service's uid outside); auto = root when running as root,
+    else userns."""
     require_isolation: bool = True
-    """Refuse to run code when no namespace isolation works here (true), instead of running it with
-    rlimits only (false: never for model-written code outside a test box)."""
+    """Refuse to run code when no isolation works here (no bubblewrap, libseccomp or namespaces: true),
+    instead of running it with rlimits only in a host temp dir (false: never for model-written code outside
+    a test box)."""
     python: str = "python3"
-    """Interpreter that runs the program, found on /usr/local/bin:/usr/bin:/bin (the dropped uid must be able to execute it)."""
+    """Interpreter that runs the program, found on /usr/local/bin:/usr/bin:/bin; it must live under /usr (the
+    sandbox shows the host's /usr, read-only, and no other host directory) and the dropped uid must be able
+    to execute it."""
     cpu_s: int = 2
     """CPU seconds per execution (RLIMIT_CPU)."""
     wall_s: float = 5.0
@@ -40,17 +44,20 @@ class SandboxConfig:
     mem_mb: int = 512
     """Address space per process in MiB (RLIMIT_AS)."""
     nproc: int = 32
-    """Processes of the execution's uid (RLIMIT_NPROC; binds in mode root, where each slot has its own uid)."""
+    """Processes of one execution (RLIMIT_NPROC: per slot uid in mode root, per user namespace in mode
+    userns)."""
     fsize_mb: int = 16
     """Largest file it may write, MiB (RLIMIT_FSIZE)."""
     disk_mb: int = 64
-    """Size of its throwaway working directory (a tmpfs), MiB."""
+    """Size of its throwaway working directory /tmp (a tmpfs, its one writable mount: the total it may
+    write), MiB."""
     nofile: int = 64
     """Open file descriptors (RLIMIT_NOFILE)."""
     output_kb: int = 64
     """Bytes of stdout and of stderr kept, KiB; one byte more and the execution is killed."""
     uid_base: int = 61000
-    """First uid of the per-slot uids in mode root (slot i runs as uid_base + i; none should own files)."""
+    """First uid of the per-slot uids (slot i runs as uid_base + i: on the host in mode root and for a root
+    service in mode userns, where none should own files; inside its user namespace in mode userns)."""
 
     def __post_init__(self):
         for key in ("cpu_s", "mem_mb", "nproc", "fsize_mb", "disk_mb", "nofile", "output_kb"):

@@ -28,7 +28,7 @@ With one thread the rollout of step m + 1 waits for the reward of step m; the re
 rollout runs (rlslurm/rl/experience.py), so only its tail is serial. At most k + 1 steps of experience are
 buffered (the step being trained and k ahead).
 
-Correctness guard for stale samples: they were sampled by an older policy, so the loss (jobs/rl.py
+Correctness guard for stale samples: they were sampled by an older policy, so the loss (rlslurm/rl/policy.py
 Policy.update) uses the PPO importance ratio pi_theta / pi_behaviour with the engine's own logprobs as
 pi_behaviour, clipped to [1 - rl.clip_eps, 1 + rl.clip_eps]: a token the policy already moved past the
 clip since it was sampled gets no further push. Fresh samples (staleness 0) keep the trainer's logprobs as

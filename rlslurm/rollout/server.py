@@ -407,7 +407,7 @@ def main(argv: list[str] | None = None) -> None:
     log.info("serving %s (version %d) on http://%s:%d; %s", engine.model_name, engine.version, args.host,
              args.port, limits)
     # uvicorn shuts down gracefully on SIGTERM, then re-raises it under the handler found at start:
-    # unless a caller installed its own (jobs/rl.py's rollout component), make that an exit that runs
+    # unless a caller installed its own (rlslurm/rl/roles.py's rollout component), make that an exit that runs
     # `finally`, so the engine's child processes (vLLM) go with us.
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))

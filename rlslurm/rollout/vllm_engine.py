@@ -251,7 +251,7 @@ class VLLMEngine(Engine):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gb))
         from vllm import LLM
 
-        # On a GPU: the share of its memory this engine takes (rollout.gpu_memory_utilization; jobs/rl.py
+        # On a GPU: the share of its memory this engine takes (rollout.gpu_memory_utilization; rlslurm/rl/engines.py
         # passes it in the environment). vLLM's own default (0.9) leaves a colocated trainer nothing.
         share = gpu_memory_utilization or float(os.environ.get("RLSLURM_GPU_MEMORY_UTILIZATION", 0) or 0)
         gpu = {"gpu_memory_utilization": share} if share and torch.cuda.is_available() else {}

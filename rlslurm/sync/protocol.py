@@ -10,7 +10,7 @@
             verified tensors in only now, so it never serves a half update
     RESUME  every engine serves again, stamping samples with version + 1
 
-    sync = WeightSync(clients, transport_for(cfg.sync, placement_mode="separate", weights_dir=d), cfg.sync)
+    sync = WeightSync(clients, transport_for(layout.sync_method, cfg.sync, weights_dir=d), cfg.sync)
     report = sync.sync(dict(model.state_dict()), version=step + 1)
     metrics.update(report.metrics())
 
@@ -203,19 +203,20 @@ class WeightSync:
             emit(self.run, kind, role="controller", **fields)
 
 
-def transport_for(config: SyncConfig, *, placement_mode: str = "separate", weights_dir: str | Path,
-                  host: str = "127.0.0.1", fault: Fault | None = None) -> Transport:
-    """The transport `sync.method` names; auto = ipc when colocated, broadcast otherwise."""
+def transport_for(method: str, config: SyncConfig, *, weights_dir: str | Path, host: str = "127.0.0.1",
+                  fault: Fault | None = None) -> Transport:
+    """The transport of `method` (disk, broadcast or ipc): the job's layout.sync_method, which the plan
+    resolved from sync.method once at submit (rlslurm/layout.py); `config` gives its settings."""
     from rlslurm.sync.broadcast import BroadcastTransport
     from rlslurm.sync.disk import DiskTransport
     from rlslurm.sync.ipc import IpcTransport
 
     fault = fault if fault is not None else Fault.from_env()
-    method = config.method
-    if method == "auto":
-        method = "ipc" if placement_mode == "colocate" else "broadcast"
     if method == "disk":
         return DiskTransport(config.weights_dir or weights_dir, keep=config.keep_versions, fault=fault)
     if method == "broadcast":
         return BroadcastTransport(host, bucket_mb=config.bucket_mb, port=config.store_port or None, fault=fault)
-    return IpcTransport(bucket_mb=config.bucket_mb, fault=fault)
+    if method == "ipc":
+        return IpcTransport(bucket_mb=config.bucket_mb, fault=fault)
+    raise ValueError(f"no sync transport {method!r}: the layout names disk, broadcast or ipc (sync.method auto "
+                     "is resolved by the plan, rlslurm/layout.py)")

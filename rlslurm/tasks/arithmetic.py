@@ -9,7 +9,7 @@ answer is a non-negative integer), shuffled by `task.seed`; train takes the firs
 the next `eval_size`. The same seed gives the same splits on every rank, run and requeue.
 
 `score` is the one verifiable rule: SFT evaluation and the inline RL reward call it; the reward service's
-rule scorer gives the same score when handed `normalize(response)` and ANSWER_FORMAT (jobs/rl.py does).
+rule scorer gives the same score when handed `normalize(response)` and ANSWER_FORMAT (rlslurm/rl/controller.py does).
 """
 
 from __future__ import annotations

@@ -25,7 +25,8 @@ import torch
 import torch.multiprocessing as mp
 
 from rlslurm.config import JobConfig
-from rlslurm.jobs.rl import Policy, Sample
+from rlslurm.rl.experience import Sample
+from rlslurm.rl.policy import Policy
 from rlslurm.megatron.policy import behaviour_logprobs, grpo_objective, pack
 from rlslurm.modelspec import ModelConfig
 from rlslurm.tokenizer import PAD_ID
@@ -186,7 +187,7 @@ def _gpu_policy_worker(rank: int, port: int, model_dir: str, out_dir: str, weigh
     tolerance = 1e-4 if weight_bytes == 4.0 else 0.1  # bf16 compute against fp32 transformers
     assert (ours[mask] - theirs[mask]).abs().max().item() < tolerance
 
-    # HF round trip 2: the checkpoint path (jobs/rl.py's load) puts HF tensors back into Megatron exactly.
+    # HF round trip 2: the checkpoint path (rlslurm/rl/checkpointing.py's load) puts HF tensors back into Megatron exactly.
     policy.model.load_state_dict({n: t.cpu() for n, t in before.items()}, strict=False)
     back = policy.weights()
     if weight_bytes == 4.0:
@@ -210,7 +211,7 @@ def _gpu_resume_worker(rank: int, port: int, model_dir: str, run_dir: str, mode:
     os.environ["HF_HUB_OFFLINE"] = "1"
     from rlslurm.checkpoint import latest_complete
     from rlslurm.dist import Topology, init_process_group
-    from rlslurm.jobs.rl import load, save
+    from rlslurm.rl.checkpointing import load, save
     from rlslurm.megatron.policy import MegatronPolicy
     from rlslurm.rundir import RunDir
 

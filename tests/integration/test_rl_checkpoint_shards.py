@@ -1,4 +1,4 @@
-"""jobs/rl.py's checkpoint with an optimizer sharded over ranks (what Megatron's distributed optimizer
+"""The RL checkpoint (rlslurm/rl/checkpointing.py) with an optimizer sharded over ranks (what Megatron's distributed optimizer
 is), on two real gloo ranks and the real torch Policy: each rank writes its shard of Adam's moments into
 rank 0's temp dir, the manifest covers every shard, and a fresh policy that loads the checkpoint takes
 the next step exactly as the one that never stopped.
@@ -23,7 +23,9 @@ from rlslurm.checkpoint import Checkpoint, latest_complete, write_rank_state
 from rlslurm.config import JobConfig
 from rlslurm.diag.guard import PhaseGuard
 from rlslurm.dist import Topology, free_port
-from rlslurm.jobs.rl import Policy, Sample, load, save
+from rlslurm.rl.checkpointing import load, save
+from rlslurm.rl.experience import Sample
+from rlslurm.rl.policy import Policy
 from rlslurm.rundir import RunDir
 from rlslurm.tokenizer import build_tokenizer
 

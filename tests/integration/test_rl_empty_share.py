@@ -14,7 +14,8 @@ from procs import spawn_ranks
 from rlslurm.config import JobConfig
 from rlslurm.diag.guard import PhaseGuard
 from rlslurm.dist import Topology, free_port
-from rlslurm.jobs.rl import Policy, Sample
+from rlslurm.rl.experience import Sample
+from rlslurm.rl.policy import Policy
 from rlslurm.rundir import RunDir
 from rlslurm.tokenizer import build_tokenizer
 

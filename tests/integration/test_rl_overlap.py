@@ -119,6 +119,7 @@ def test_a_run_resumed_from_an_overlapped_checkpoint_follows_the_same_trajectory
     assert ckpt.is_dir(), sorted(p.name for p in (original / "checkpoints").iterdir())
     run = RunDir(tmp_path / "resumed").create()
     shutil.copy(original / "config.yaml", run.path / "config.yaml")
+    shutil.copy(original / "layout.json", run.path / "layout.json")
     shutil.copytree(ckpt, run.path / "checkpoints" / ckpt.name)
     procs = _start_ranks(run.path)
     try:

@@ -67,7 +67,8 @@ def test_sft_on_a_gpu_machine_trains_on_the_gpu(tmp_path):
 @pytest.mark.gpu
 def test_rl_policy_update_runs_on_the_gpu_under_nccl(tmp_path):
     from rlslurm.diag.guard import PhaseGuard
-    from rlslurm.jobs.rl import Policy, Sample
+    from rlslurm.rl.experience import Sample
+    from rlslurm.rl.policy import Policy
     from rlslurm.tinymodel import build_model, save_hf
     from rlslurm.tokenizer import build_tokenizer
 

@@ -10,7 +10,7 @@ import torch
 from rlslurm.config import JobConfig
 from rlslurm.diag.guard import PhaseGuard
 from rlslurm.dist import Topology
-from rlslurm.jobs.rl import Policy
+from rlslurm.rl.policy import Policy
 from rlslurm.rundir import RunDir
 from rlslurm.tinymodel import build_model, save_hf
 

@@ -99,7 +99,7 @@ def test_bad_or_repeated_file_names_are_refused(run):
 
 def test_shards_written_by_other_ranks_are_in_the_manifest_and_checked(run):
     with CheckpointWriter(run, 4) as ckpt:
-        # What ranks 1 and 2 do in jobs/rl.py's save: their shard straight into rank 0's temp dir.
+        # What ranks 1 and 2 do in rlslurm/rl/checkpointing.py's save: their shard straight into rank 0's temp dir.
         names = [write_rank_state(ckpt.tmp, f"optimizer-tp{r:03d}", {"rank": r, "m": torch.full((3,), float(r))})
                  for r in (1, 2)]
         for name in names:

@@ -76,11 +76,11 @@ def test_envdiff_command_on_two_files_and_a_run_dir(run):
 
 
 def test_rl_controller_refuses_a_torch_difference_before_a_broadcast_sync(run):
-    """jobs/rl.py Controller.check_env, the check the RL job runs before its first sync, on planted files."""
+    """rlslurm/rl/controller.py Controller.check_env, the check the RL job runs before its first sync, on planted files."""
     from types import SimpleNamespace
 
     from rlslurm.events import read_events
-    from rlslurm.jobs.rl import Controller
+    from rlslurm.rl.controller import Controller
 
     _plant(run, "rollout-0", torch="2.12.0+cpu")
     with pytest.raises(PreflightError) as e:

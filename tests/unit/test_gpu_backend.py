@@ -54,7 +54,7 @@ def test_megatron_loads_for_rl_and_torch_is_unaffected(tmp_path):
 @no_gpu
 def test_megatron_on_cpu_stops_with_an_error_naming_the_fix(tmp_path):
     from rlslurm.dist import Topology
-    from rlslurm.jobs.rl import make_policy
+    from rlslurm.rl.policy import make_policy
 
     job = JobConfig()
     job = dataclasses.replace(job, train=dataclasses.replace(job.train, backend="megatron"))

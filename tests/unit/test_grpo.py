@@ -1,4 +1,4 @@
-"""GRPO's pieces in jobs/rl.py: group advantages, the samples they are attached to, and one real update.
+"""GRPO's pieces (rlslurm/rl/experience.py, rlslurm/rl/policy.py): group advantages, the samples they are attached to, and one real update.
 
     python -m pytest -q tests/unit/test_grpo.py      # ~5 s on 2 cores
 
@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from rlslurm.errors import RlslurmError
-from rlslurm.jobs.rl import Policy, Sample, build_samples, group_advantages
+from rlslurm.rl.experience import Sample, build_samples, group_advantages
+from rlslurm.rl.policy import Policy
 from rlslurm.tasks.arithmetic import Problem
 from rlslurm.tokenizer import EOS_ID, VOCAB, build_tokenizer
 

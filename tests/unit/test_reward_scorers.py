@@ -72,7 +72,7 @@ def test_config_errors_name_the_key():
 
 
 def test_rule_scorer_scores_the_arithmetic_task_exactly_as_its_own_rule():
-    """The RL job hands the service normalize(text) and ANSWER_FORMAT (jobs/rl.py reward_config): every
+    """The RL job hands the service normalize(text) and ANSWER_FORMAT (rlslurm/rl/controller.py reward_config): every
     response the engines can write - any string over the tokenizer's alphabet - must score the same."""
     import random
 

@@ -1,5 +1,5 @@
 """The experience pipeline's bookkeeping (rlslurm/rl/pipeline.py), the streaming group assembler
-(rlslurm/rl/experience.py) and the loss's guard for stale samples (jobs/rl.py Policy.update).
+(rlslurm/rl/experience.py) and the loss's guard for stale samples (rlslurm/rl/policy.py Policy.update).
 
     python -m pytest -q tests/unit/test_rl_pipeline.py      # ~5 s on 2 cores
 
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from rlslurm.errors import RlslurmError, StalenessError
-from rlslurm.jobs.rl import Policy
+from rlslurm.rl.policy import Policy
 from rlslurm.rl.experience import Experience, GroupAssembler, Sample, build_samples, group_advantages
 from rlslurm.rl.pipeline import ExperiencePipeline, ProducerGuard, stamp_staleness
 from rlslurm.tasks.arithmetic import Problem

@@ -1,0 +1,265 @@
+"""The RL controller on trainer rank 0: prompts, rollout, reward, advantages, weight sync, evaluation.
+
+    controller = Controller(job, run, model_dir, tokenizer)
+    controller.start_experience(step, version, rl_state)   # rollouts may run ahead (rl.max_staleness)
+    exp = controller.experience(step, version, guard)     # prompts -> rollout -> reward -> advantages
+    controller.sync_weights(policy.weights(), step=..., version=..., guard=guard)   # DRAIN/UPDATE/VERIFY/RESUME
+    controller.close()
+
+It owns the engines (rlslurm/rl/engines.py), the weight-sync protocol and its transport
+(rlslurm/sync/), the reward session (rlslurm/reward/session.py: `reward.service` inline, local or
+component) and the experience pipeline (rlslurm/rl/pipeline.py). Samples carry the policy version that
+produced them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+
+import torch
+
+from rlslurm import events
+from rlslurm.config import JobConfig
+from rlslurm.diag.env_diff import compare, read_fingerprints
+from rlslurm.diag.guard import PhaseGuard
+from rlslurm.layout import JobLayout
+from rlslurm.reward.config import RewardConfig
+from rlslurm.rl.engines import Engines
+from rlslurm.rl.experience import Experience, GroupAssembler, choice_id
+from rlslurm.rl.pipeline import THREADED_ENV, ExperiencePipeline, stamp_staleness
+from rlslurm.rundir import RunDir
+from rlslurm.tasks.arithmetic import ANSWER_FORMAT, Problem, make_splits
+from rlslurm.tasks.prompts import PromptFormat
+
+
+def sync_host() -> str:
+    """Where engines reach the broadcast group's store on this (rank 0) process: its node's address on
+    SLURM (engines on the rollout nodes connect to it), loopback elsewhere (engines beside us)."""
+    from rlslurm.dist import node_address
+
+    node = os.environ.get("SLURMD_NODENAME")
+    return node_address(node) if node else "127.0.0.1"
+
+
+def reward_config(job: JobConfig) -> RewardConfig:
+    """job.reward as the service must score this task: the rule scorer also checks the task's one answer
+    form (ANSWER_FORMAT), unless reward.format_regex names another, so it scores as `score` does."""
+    if job.reward.scorer == "rule" and job.reward.format_regex is None:
+        return dataclasses.replace(job.reward, format_regex=ANSWER_FORMAT)
+    return job.reward
+
+
+def open_reward_session(job: JobConfig, layout: JobLayout, run: RunDir):
+    """None for reward.service = inline (the controller scores); else the service's session: the reward
+    component's (announced in <run>/endpoints/reward.json) on SLURM, else a supervised one started here
+    (off SLURM there is no reward component: `component` runs the same service beside the controller)."""
+    if job.reward.service == "inline":
+        return None
+    from rlslurm.reward.session import RewardSession
+
+    return RewardSession.open(reward_config(job), run, diag=job.diag, component=layout.reward_from_component)
+
+
+class Controller:
+    """Rank 0: prompts, rollout, reward, advantages, sync, evaluation."""
+
+    def __init__(self, job: JobConfig, run: RunDir, model_dir: Path, tokenizer):
+        from rlslurm.sync.protocol import WeightSync, transport_for
+
+        self.job, self.run, self.tokenizer = job, run, tokenizer
+        # task.prompt_style / task.answer: the text an engine is sent for a task prompt, the rule it is scored by
+        self.format = PromptFormat(job.task, tokenizer, model_dir=model_dir)
+        self.train_set, self.held_out = make_splits(job.task)
+        # Placement, engines and sync method as the plan decided them at submit, never re-derived here.
+        self.layout = JobLayout.read(run)
+        self.engines = Engines(job, self.layout, run, model_dir)
+        self.transport = transport_for(self.layout.sync_method, job.sync, weights_dir=run.path / "weights",
+                                       host=sync_host())
+        self.sync = WeightSync(self.engines.clients, self.transport, job.sync, run=run)
+        self.rewards = None
+        self.pipeline: ExperiencePipeline | None = None  # from the first step on (start_experience)
+        try:
+            self.rewards = open_reward_session(job, self.layout, run)
+        except BaseException:
+            self.close()  # the engines it spawned must not outlive a controller that never started
+            raise
+
+    def close(self) -> None:
+        pipeline = getattr(self, "pipeline", None)
+        if pipeline is not None:
+            pipeline.stop()  # first: the engines and the reward service go away below
+        if getattr(self, "rewards", None) is not None:
+            self.rewards.close()
+        self.transport.close()
+        self.engines.stop()
+        if pipeline is not None:
+            pipeline.close()  # its HTTP call in flight failed just now: it ends
+
+    def check_env(self) -> None:
+        """Before the first sync: every rank and engine on one torch (and NCCL) when broadcasting."""
+        diff = compare(read_fingerprints(self.run.path), sync_method=self.transport.name)
+        if diff.errors or diff.warnings:
+            events.emit(self.run, "env_diff", report=diff.render(), ok=diff.ok)
+        diff.raise_errors()
+
+    def prompts(self, step: int) -> list[Problem]:
+        """The step's prompts: a function of (seed, step) alone, so a resumed job draws the same ones."""
+        rng = random.Random(self.job.train.seed * 1_000_003 + step)
+        return rng.sample(self.train_set, self.job.rl.prompts_per_step)
+
+    def rollout(self, problems: list[Problem], step: int, guard: PhaseGuard,
+                on_choices=None) -> tuple[list[dict], list[float]]:
+        """k samples per prompt from the engines, all asked at once (a step's rollout takes the slowest
+        engine's time, not their sum); prompts split across engines in a fixed order. `on_choices(batch)`
+        gets each engine's responses in this thread as they arrive, so the reward service scores them
+        while the other engines still generate. Returns the choices in prompt order and each engine's
+        seconds for its share."""
+        cfg, n_eng, k = self.job.rollout, len(self.engines.clients), self.job.rl.samples_per_prompt
+        shares = {i: [self.format.text(p.prompt) for j, p in enumerate(problems) if j % n_eng == i]
+                  for i in range(n_eng)}
+
+        def ask(i: int) -> tuple[int, dict, float]:
+            t = time.monotonic()
+            out = self.engines.clients[i].completions(shares[i], n=k, max_tokens=cfg.max_new_tokens,
+                                                      temperature=cfg.temperature,
+                                                      seed=self.job.train.seed * 7919 + step * 31 + i)
+            return i, out, time.monotonic() - t
+
+        choices: list[dict] = []
+        engine_s = [0.0] * n_eng
+        asked = [i for i in range(n_eng) if shares[i]]
+        # One thread per engine: each waits on its HTTP answer; a failed request raises here after the
+        # others answered (or hit rollout.request_timeout_s).
+        with ThreadPoolExecutor(max_workers=max(1, len(asked)), thread_name_prefix="rollout") as pool:
+            for done in as_completed([pool.submit(ask, i) for i in asked]):
+                i, out, engine_s[i] = done.result()
+                guard.beat()
+                # back to prompt order: engine i holds prompts i, i + n_eng, ...
+                batch = [{**c, "engine": i, "prompt_index": (m // k) * n_eng + i}
+                         for m, c in enumerate(out["choices"])]
+                if on_choices is not None:
+                    on_choices(batch)
+                choices.extend(batch)
+        return sorted(choices, key=lambda c: (c["prompt_index"], c["index"])), engine_s
+
+    def reward_item(self, problems: list[Problem], choice: dict):
+        """One response as the reward service scores it: normalised text (task.answer = lenient: the integer
+        it states) against the task's answer."""
+        from rlslurm.reward.scorers import Item
+
+        problem = problems[choice["prompt_index"]]
+        return Item(id=choice_id(choice), response=self.format.answer_text(choice["text"]), prompt=problem.prompt,
+                    reference=problem.target)
+
+    # -- one step's experience: made here (synchronous) or ahead by the pipeline (rlslurm/rl/pipeline.py) --
+
+    def start_experience(self, step: int, version: int, rl_state: dict) -> None:
+        """The experience pipeline from `step` on (trainer at `version`, engines serving it), with what a
+        checkpoint buffered ahead; a buffered step older than rl.max_staleness allows now is made again."""
+        k = self.job.rl.max_staleness
+        buffered = {}
+        for entry in rl_state.get("experience_buffer", []):
+            m, exp = int(entry["step"]), Experience.from_json(entry["experience"])
+            if m >= step and max((version + m - step - v for v in exp.response_versions), default=0) <= k:
+                buffered[m] = exp
+        self.pipeline = ExperiencePipeline(self._rollout_step, self._finish_step, max_staleness=k,
+                                           first_step=step, last_step=self.job.train.steps, buffered=buffered,
+                                           threaded=os.environ.get(THREADED_ENV) == "1" or None).start()
+        if self.pipeline.restored:
+            events.emit(self.run, "experience_restored", role="controller", steps=self.pipeline.restored)
+
+    def experience(self, step: int, version: int, guard: PhaseGuard) -> Experience:
+        """The experience step `step` trains on at `version`, each sample stamped with its staleness; raises
+        StalenessError for one more than rl.max_staleness versions old (a broken schedule)."""
+        if getattr(self, "pipeline", None) is None:
+            self.start_experience(step, version, {})
+        exp = self.pipeline.take(step, guard)
+        exp.stats.update(stamp_staleness(exp, version, self.job.rl.max_staleness, step))
+        return exp
+
+    def sync_weights(self, weights: dict[str, torch.Tensor], *, step: int, version: int, guard: PhaseGuard) -> dict:
+        """DRAIN -> UPDATE -> VERIFY -> RESUME to `version` (the policy at step boundary `step`), between two
+        rollouts: the ones scheduled on older weights finish first, the ones scheduled on these start
+        after (rlslurm/rl/pipeline.py). Returns the sync's metrics."""
+        t = time.monotonic()
+        self.pipeline.before_sync(step, guard)
+        waited_s = time.monotonic() - t
+        metrics = self.sync.sync(weights, version=version).metrics()
+        self.pipeline.synced(step)
+        return {**metrics, "sync_wait_rollout_s": waited_s}
+
+    def experience_buffer(self, step: int, guard: PhaseGuard) -> list[dict]:
+        """The experience made ahead of step boundary `step` (rl.max_staleness > 0), for the RL state of a
+        checkpoint there: the resumed run trains on it as the uninterrupted run would have."""
+        return [{"step": m, "experience": exp.to_json()} for m, exp in self.pipeline.buffered(step, guard).items()]
+
+    @staticmethod
+    def forget_experience(step: int, rl_state: dict) -> None:
+        """Step `step` was abandoned (SLURM stops the job): keep it out of the drain checkpoint's buffer, so
+        the resumed job makes it again rather than train on what the stopping services returned."""
+        if "experience_buffer" in rl_state:
+            rl_state["experience_buffer"] = [e for e in rl_state["experience_buffer"] if e["step"] != step]
+
+    def _rollout_step(self, step: int, guard) -> dict:
+        """Step `step`'s prompts through the engines. Each engine's responses are scored as they arrive (the
+        rule right here, or the service's requests meanwhile) and a prompt's group gets its advantages as
+        soon as its last reward lands (GroupAssembler); `_finish_step` waits for what is still open."""
+        with guard.phase("data", step=step):
+            problems = self.prompts(step)
+        assembler = GroupAssembler(problems, self.job.rl.samples_per_prompt,
+                                   self.format.encode)
+        scoring = self.rewards.begin(step) if self.rewards is not None else None
+
+        def arrived(batch: list[dict]) -> None:
+            assembler.add_choices(batch)
+            if scoring is None:
+                assembler.add_rewards({choice_id(c): self.format.score(problems[c["prompt_index"]], c["text"])
+                                       for c in batch})
+            else:
+                scoring.submit([self.reward_item(problems, c) for c in batch],
+                               on_outcomes=lambda outcomes: assembler.add_rewards({o.id: o.score for o in outcomes}))
+
+        t = time.monotonic()
+        with guard.phase("rollout", step=step):
+            choices, engine_s = self.rollout(problems, step, guard, on_choices=arrived)
+        return {"step": step, "choices": choices, "assembler": assembler, "scoring": scoring,
+                "rollout_s": time.monotonic() - t, "rollout_engine_s": engine_s}
+
+    def _finish_step(self, flight: dict, guard) -> Experience:
+        """The rest of a step: the rewards the rollout did not hide, the last groups' advantages, stats."""
+        step, choices, assembler = flight["step"], flight["choices"], flight["assembler"]
+        t = time.monotonic()
+        with guard.phase("reward", step=step):
+            reward_stats = {"reward_degraded": 0, "reward_degraded_ratio": 0.0, "reward_dropped": 0,
+                            "reward_restarts": 0}
+            if flight["scoring"] is not None:
+                outcomes, reward_stats = flight["scoring"].finish(guard)
+                assembler.add_rewards({o.id: o.score for o in outcomes})  # any a callback has not handed over
+        reward_s = time.monotonic() - t
+        with guard.phase("advantage", step=step):
+            samples, dropped = assembler.samples()
+        rewards = assembler.rewards()
+        versions: dict[int, int] = {}
+        for c in choices:
+            versions[int(c["policy_version"])] = versions.get(int(c["policy_version"]), 0) + 1
+        tokens = sum(len(c["token_ids"]) for c in choices)
+        scored = [r for r in rewards if r is not None]
+        stats = {"rollout_s": flight["rollout_s"], "rollout_engine_s": flight["rollout_engine_s"], "reward_s": reward_s,
+                 "reward_mean": sum(scored) / max(len(scored), 1), "samples": len(choices),
+                 "effective_samples": len(samples), "zero_variance_groups": dropped, "generated_tokens": tokens,
+                 "tokens_per_s": tokens / max(flight["rollout_s"], 1e-9), **reward_stats}
+        return Experience(samples, stats, versions)
+
+    def evaluate(self) -> float:
+        """Greedy held-out accuracy of the policy the engines serve now."""
+        client = self.engines.clients[0]
+        out = client.completions([self.format.text(p.prompt) for p in self.held_out], n=1, temperature=0.0,
+                                 max_tokens=self.job.rollout.max_new_tokens)
+        correct = sum(self.format.score(p, c["text"]) for p, c in zip(self.held_out, out["choices"]))
+        return correct / len(self.held_out)
+

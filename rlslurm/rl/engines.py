@@ -1,0 +1,123 @@
+"""The rollout engines the RL controller talks to, and where it finds them.
+
+    engines = Engines(job, run, model_dir)    # announced by the rollout het component, or spawned here
+    engines.clients[i].completions(...)       # rlslurm/rollout/client.py's EngineClient
+    engines.drain(timeout_s); engines.stop()
+
+On SLURM with separate placement the rollout het component runs the engines (rlslurm/rl/roles.py
+`run_engine`) and each announces its URL in <run>/endpoints/engine-<i>.json; colocated (a plain SLURM
+job) or off SLURM the controller spawns them beside rank 0.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+
+import torch
+
+from rlslurm import events, lifecycle
+from rlslurm.config import JobConfig
+from rlslurm.dist import free_port
+from rlslurm.errors import RlslurmError
+from rlslurm.layout import JobLayout
+from rlslurm.rundir import RunDir
+
+log = logging.getLogger(__name__)
+
+
+class Engines:
+    """The rollout engines the controller talks to: announced by the rollout het component (separate
+    placement on SLURM), or spawned here beside rank 0 (colocated, or any run off SLURM)."""
+
+    def __init__(self, job: JobConfig, layout: JobLayout, run: RunDir, model_dir: Path):
+        from rlslurm.rollout.client import EngineClient, spawn_engine
+
+        self.run = run
+        self.processes = []
+        if layout.engines_from_component:
+            urls = wait_for_endpoints(run, layout.engines, job.rollout.request_timeout_s,
+                                      job_id=lifecycle.leader_job_id(), restart_count=lifecycle.restart_count())
+            self.clients = [EngineClient(url, job.rollout.request_timeout_s) for url in urls]
+            for client in self.clients:  # an engine announces itself before its server listens
+                client.wait_ready(job.rollout.request_timeout_s)
+        else:
+            node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+            for i in range(layout.engines):
+                proc = spawn_engine(model_dir, port=free_port(), log_path=run.logs / f"engine-{i}.log",
+                                    extra_args=engine_args(job),
+                                    env={"RLSLURM_RUN_DIR": str(run.path), "RLSLURM_ROLE": "rollout",
+                                         "RLSLURM_RANK": str(i),
+                                         # the vLLM engine's share of a GPU (rollout/vllm_engine.py)
+                                         "RLSLURM_GPU_MEMORY_UTILIZATION": str(job.rollout.gpu_memory_utilization)},
+                                    timeout_s=job.rollout.request_timeout_s,
+                                    engine=job.rollout.engine, python=job.rollout.python)
+                self.processes.append(proc)
+                # A spawned engine is no SLURM task of its own, so it is recorded here: on SLURM this is
+                # where a colocated engine shows it shares the trainer's node.
+                run.append_json(run.path / "placement.jsonl", {
+                    "t": time.time(), "role": "rollout", "rank": i, "node": node,
+                    "partition": os.environ.get("SLURM_JOB_PARTITION"), "job_id": lifecycle.leader_job_id(),
+                    "restart_count": lifecycle.restart_count(), "pid": proc.proc.pid, "colocated": True})
+            self.clients = [p.client for p in self.processes]
+
+    def drain(self, timeout_s: float) -> None:
+        """The engines' part of a job drain: refuse new prompts, finish the ones in flight (bounded).
+
+        The controller calls it once the trainer ranks agreed on the drain step, not the engines on
+        their own signal: an engine that refused prompts in the middle of a step would fail that step.
+        """
+        from rlslurm.rollout.client import EngineRequestError
+
+        states = {}
+        for client in self.clients:
+            try:
+                answer = client.drain(timeout_s)
+                states[client.url] = {"state": answer["state"], "waited_s": round(answer["waited_s"], 3),
+                                      "version": answer["version"]}
+            except EngineRequestError as e:  # the job checkpoints and requeues whatever an engine says
+                states[client.url] = {"state": "unknown", "error": str(e)}
+        events.emit(self.run, "engines_drained", role="controller", engines=states)
+
+    def stop(self) -> None:
+        for proc in self.processes:
+            proc.stop()
+        for client in self.clients:
+            client.close()
+
+
+def engine_args(job: JobConfig) -> list[str]:
+    """Server flags of every engine of the job: one torch CPU thread, and the hf engine on the node's GPU
+    where it has one (vLLM places itself)."""
+    gpu = job.rollout.engine == "hf" and torch.cuda.is_available()
+    return ["--threads", "1", *(["--device", "cuda"] if gpu else [])]
+
+
+def wait_for_endpoints(run: RunDir, count: int, timeout_s: float, *, job_id: str | None, restart_count: int,
+                       poll_s: float = 0.5) -> list[str]:
+    """URLs of `count` engines of this start of the job, from <run>/endpoints/engine-*.json (polled,
+    bounded). A requeued job finds the files of its previous allocation there until its new engines
+    overwrite them: only files stamped with this job id and restart count count."""
+    folder = run.path / "endpoints"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found, stale = [], 0
+        for path in sorted(folder.glob("engine-*.json")) if folder.is_dir() else []:
+            record = json.loads(path.read_text())
+            if (record.get("job_id"), record.get("restart_count")) == (job_id, restart_count):
+                found.append(record["url"])
+            else:
+                stale += 1
+        if len(found) >= count:
+            return found[:count]
+        if time.monotonic() > deadline:
+            raise RlslurmError(f"only {len(found)} of {count} rollout engines of job {job_id} restart {restart_count} "
+                               f"announced themselves in {folder} within {timeout_s:.0f} s ({stale} stale files "
+                               f"of earlier starts); see {run.logs}/rollout-*.log")
+        log.info("waiting for %d engine endpoints in %s (%d so far, %d stale)", count, folder, len(found), stale)
+        time.sleep(poll_s)
+

@@ -1,0 +1,335 @@
+"""The RL step loop on every trainer rank; rank 0 also drives the controller.
+
+    code = run(job, run_dir)        # jobs/rl.py's entrance; returns the lifecycle exit code
+
+One step reads like the diagram in DESIGN.md, each phase inside the phase guard:
+
+    boundary (drain? checkpoint due?) -> experience (prompts -> rollout -> reward -> advantages, rank 0,
+    shared with every rank) -> train (every rank, its share) -> sync (DRAIN/UPDATE/VERIFY/RESUME) ->
+    metrics (+ held-out evaluation) -> next boundary
+
+Drain (USR1, `rlslurm drain`, SIGTERM): the ranks agree at a step boundary (`_agree_at_boundary`), the
+controller drains the engines, rank 0 checkpoints and requeues the whole het job; the next start
+resumes at that step and policy version and syncs its new engines to it. Engine sampling is seeded by
+(train.seed, step, engine), so a resumed run draws the same samples as the uninterrupted one.
+
+A step SLURM interrupts (its SIGTERM reaches the engines and the reward service too) is given up, not
+trained on what the stopping services returned: the drain checkpoint is taken before it, and the
+resumed job makes it again.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import torch
+import torch.distributed as dist
+
+from rlslurm import events, lifecycle
+from rlslurm.checkpoint import IntervalPolicy
+from rlslurm.config import JobConfig
+from rlslurm.diag.drain_gate import DrainGate, agreed_reason
+from rlslurm.diag.env_diff import write_fingerprint
+from rlslurm.diag.guard import PhaseGuard
+from rlslurm.dist import Topology, compute_device, init_process_group
+from rlslurm.errors import RlslurmError
+from rlslurm.lifecycle import ExitCode
+from rlslurm.rl.checkpointing import resume_point, save
+from rlslurm.rl.controller import Controller
+from rlslurm.rl.experience import Experience
+from rlslurm.rl.policy import RLPolicy, make_policy
+from rlslurm.rundir import RunDir
+from rlslurm.tinymodel import build_model, save_hf
+
+log = logging.getLogger(__name__)
+
+
+def run(job: JobConfig, run_dir: str | Path) -> int:
+    """One trainer rank of the RL job (rank 0 also drives the controller); returns the lifecycle code."""
+    run_ = RunDir(Path(run_dir)).create()
+    topo = Topology.detect()
+    torch.set_num_threads(1)
+    init_process_group(topo, job.train.dist_timeout_s)
+    gate = DrainGate(run_, poll_interval_s=0.5, kill_wait_s=job.checkpoint.kill_wait_s)
+    gate.install_signal_handlers()
+    guard = PhaseGuard(run_, "train", topo.rank, job.diag, gate=gate)
+    write_fingerprint(run_, "train", topo.rank)
+    controller = None
+    try:
+        with guard:
+            model_dir = initial_model_dir(job, run_, topo)
+            policy = make_policy(job, topo, model_dir)
+            controller = Controller(job, run_, model_dir, policy.tokenizer) if topo.is_main else None
+            code = Loop(job, run_, topo, gate, guard, policy, controller).run()
+            # Leave together (done or drained): a rank tearing gloo down while a peer still talks to
+            # the store that rank 0 hosts aborted with "terminate called without an active exception".
+            dist.barrier()
+            return code
+    finally:
+        if controller is not None:
+            controller.close()
+        gate.restore_signal_handlers()
+        dist.destroy_process_group()
+
+
+def initial_model_dir(job: JobConfig, run: RunDir, topo: Topology) -> Path:
+    """train.init_from as it is (the SFT export), or the embedded model at random init written once."""
+    if job.train.init_from:
+        path = Path(job.train.init_from)
+        if not (path / "config.json").is_file():
+            raise RlslurmError(f"train.init_from = {job.train.init_from!r} holds no config.json: point it at an "
+                               "SFT export (<sft run>/export/hf)")
+        return path
+    path = run.path / "export" / "init"
+    if topo.is_main and not (path / "config.json").is_file():
+        save_hf(build_model(job.model, seed=job.train.seed), path, max_new_tokens=job.rollout.max_new_tokens)
+    dist.barrier()
+    return path
+
+
+@dataclass
+class Boundary:
+    """What the ranks agreed at one step boundary."""
+
+    drain: bool
+    """Some rank was asked to drain (signal, control file): every rank stops here."""
+    time_left_s: float | None
+    """The least KillWait left over the ranks after a SIGTERM (None: no SIGTERM)."""
+    checkpoint_due: bool
+    """Rank 0's interval policy says a checkpoint is due at this step."""
+
+
+@dataclass
+class Loop:
+    """The RL job's loop state on one rank; `run()` is the loop."""
+
+    job: JobConfig
+    run_dir: RunDir
+    topo: Topology
+    gate: DrainGate
+    guard: PhaseGuard
+    policy: RLPolicy
+    controller: Controller | None
+    """Rank 0's controller; None on the other ranks."""
+    step: int = 0
+    version: int = 0
+    rl_state: dict = field(default_factory=dict)
+    last_saved: int | None = None
+
+    def run(self) -> int:
+        job, run = self.job, self.run_dir
+        self.step, self.version, self.rl_state, proceed = resume_point(job, run, self.topo, self.policy)
+        if not proceed:
+            return ExitCode.NO_PROGRESS
+        on_slurm = bool(os.environ.get("SLURM_JOB_ID"))
+        interval = IntervalPolicy(job.checkpoint, start_step=self.step,
+                                  time_limit_s=job.cluster.time_limit_min * 60.0 if on_slurm else None)
+        self._first_sync()
+        self.last_saved = self.step if self.step else None
+        first_step = True
+        while True:
+            boundary = self._agree_at_boundary(interval)
+            if boundary.drain:
+                return self._drain(boundary, interval.cost_s)
+            if boundary.checkpoint_due and self.last_saved != self.step:
+                with self.guard.phase("checkpoint", step=self.step):
+                    interval.observe_save(self.step, self._save())
+            if self.step >= job.train.steps:
+                break
+            started = time.monotonic()
+            exp = self._experience()                 # prompts -> rollout -> reward -> advantages
+            if exp is None:
+                continue  # abandoned: every rank drains at this step's boundary (rank 0's flag reaches them)
+            stats, train_s = self._train(exp)        # train
+            self.step += 1
+            self.version += 1
+            if self.controller is not None:
+                sync_metrics, sync_s = self._sync()  # sync
+                self._record(exp, stats, train_s, sync_metrics, sync_s, started, first_step)
+            first_step = False
+            if job.train.step_delay_s:
+                with self.guard.phase("train", step=self.step):
+                    threading.Event().wait(job.train.step_delay_s)  # stands in for compute: tests signal mid-run
+            interval.observe_step(time.monotonic() - started)
+        self._finish()
+        return ExitCode.DONE
+
+    # -- the phases ------------------------------------------------------------------------------------
+
+    def _first_sync(self) -> None:
+        """Rank 0: env check, then the engines (started from the initial weights) serve exactly this rank's
+        (resumed) policy; the first held-out evaluation; the experience pipeline from here on."""
+        controller = self.controller
+        if controller is None:
+            return
+        with self.guard.phase("sync", step=self.step):
+            controller.check_env()
+            controller.sync.sync(self.policy.weights(), version=self.version)
+        if "eval_history" not in self.rl_state:
+            self.rl_state["eval_history"] = [[self.step, controller.evaluate()]]
+            events.emit(self.run_dir, "eval", step=self.step, held_out_accuracy=self.rl_state["eval_history"][-1][1])
+        # rl.max_staleness > 0: from here on the next steps' rollouts run while this one trains.
+        controller.start_experience(self.step, self.version, self.rl_state)
+
+    def _agree_at_boundary(self, interval: IntervalPolicy) -> Boundary:
+        """Every rank must agree to drain / save, so they stop at the same step; the least KillWait left
+        over the ranks (after a SIGTERM) decides whether the drain checkpoint still fits."""
+        gate = self.gate
+        left = gate.kill_wait_left_s() if gate.check() else None
+        flags = torch.tensor([float(gate.requested), -(left if left is not None else math.inf),
+                              float(self.topo.is_main and interval.due(self.step))], device=compute_device())
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return Boundary(drain=bool(flags[0] > 0), time_left_s=None if math.isinf(flags[1]) else -flags[1].item(),
+                        checkpoint_due=bool(flags[2] > 0))
+
+    def _experience(self) -> Experience | None:
+        """This step's experience, made on rank 0 (possibly ahead, rl.max_staleness) and shared with every
+        rank; None when the step was abandoned because SLURM stops the job."""
+        box: list[Experience | None] = [None]
+        controller, step = self.controller, self.step
+        if controller is not None:
+            try:
+                box = [controller.experience(step, self.version, self.guard)]
+            except RlslurmError as e:
+                if not _stopped_by_slurm(self.gate):
+                    raise
+                events.emit(self.run_dir, "step_abandoned", step=step,
+                            reason=f"SLURM stops the job and its engines: {e}")
+            degraded = _degraded_by_slurm_stop(box[0], self.gate)
+            if degraded:
+                events.emit(self.run_dir, "step_abandoned", step=step,
+                            reason=f"SLURM stops the job and its reward service: {degraded} responses degraded")
+                box = [None]
+            if box[0] is None:  # the resumed job makes it again, not from the checkpoint's buffer
+                controller.forget_experience(step, self.rl_state)
+        with self.guard.phase("wait_experience", step=step):
+            dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _train(self, exp: Experience) -> tuple[dict, float]:
+        """This rank's share of the samples through one policy update; (stats, seconds)."""
+        t = time.monotonic()
+        with self.guard.phase("train", step=self.step):
+            share = exp.samples[self.topo.rank::self.topo.world_size]
+            stats = self.policy.update(share, self.guard, step_total=len(exp.samples))
+        return stats, time.monotonic() - t
+
+    def _sync(self) -> tuple[dict, float]:
+        """Rank 0: the new weights to the engines (verified); (metrics, seconds)."""
+        t = time.monotonic()
+        with self.guard.phase("sync", step=self.step):
+            try:
+                metrics = self.controller.sync_weights(self.policy.weights(), step=self.step, version=self.version,
+                                                       guard=self.guard)
+                if self.job.rl.max_staleness:  # a checkpoint at this boundary keeps the steps made ahead
+                    self.rl_state["experience_buffer"] = self.controller.experience_buffer(self.step, self.guard)
+            except RlslurmError as e:
+                if not _stopped_by_slurm(self.gate):
+                    raise
+                # The trained step stands: the drain checkpoint holds it, and the resumed job's first
+                # sync puts these weights into its new engines.
+                events.emit(self.run_dir, "sync_skipped", step=self.step,
+                            reason=f"SLURM stops the job and its engines: {e}")
+                metrics = {"sync_skipped": True}
+        return metrics, time.monotonic() - t
+
+    def _record(self, exp: Experience, stats: dict, train_s: float, sync_metrics: dict, sync_s: float,
+                started: float, first_step: bool) -> None:
+        """Rank 0: the step's line of metrics.jsonl (with a held-out evaluation when due)."""
+        job, step = self.job, self.step
+        record = step_record(exp, stats, train_s, sync_metrics, sync_s, step_s=time.monotonic() - started,
+                             step=step, version=self.version)
+        if (step % job.rl.eval_every == 0 or step == job.train.steps) and "sync_skipped" not in sync_metrics:
+            acc = self.controller.evaluate()
+            record["held_out_accuracy"] = acc
+            self.rl_state.setdefault("eval_history", []).append([step, acc])
+        self.run_dir.append_json(self.run_dir.metrics, record)
+        if first_step:  # requeue -> training again is measured up to here
+            since = time.time() - psutil.Process().create_time()
+            events.emit(self.run_dir, "first_step", step=step, policy_version=self.version,
+                        since_process_start_s=round(since, 3), device=str(self.policy.device))
+        log.info("step %d v%d reward %.3f eff %d/%d rollout %.2fs train %.2fs sync %.2fs%s", step, self.version,
+                 exp.stats["reward_mean"], exp.stats["effective_samples"], exp.stats["samples"],
+                 exp.stats["rollout_s"], train_s, sync_s,
+                 f" acc {record['held_out_accuracy']:.3f}" if "held_out_accuracy" in record else "")
+
+    def _save(self) -> float:
+        """Collective: a checkpoint at this step boundary; its cost in seconds."""
+        seconds = save(self.run_dir, self.job, self.topo, self.policy, self.step, self.version, self.rl_state)
+        self.last_saved = self.step
+        return seconds
+
+    def _drain(self, boundary: Boundary, cost_s: float | None) -> int:
+        """Every role drains at the step the ranks agreed on: the engines stop taking prompts and finish
+        what is in flight, the trainer checkpoints, the leader requeues the whole het job."""
+        reason, signal_name = agreed_reason(self.gate, self.topo.world_size)
+        if self.controller is not None:
+            if signal_name == "SIGTERM":
+                # SLURM sent SIGTERM to every step, the engines' too: they are stopping already, and
+                # KillWait is for the checkpoint.
+                events.emit(self.run_dir, "engines_drained", role="controller", engines={},
+                            reason="stopped by SLURM (SIGTERM)")
+            else:
+                self.controller.engines.drain(self.job.sync.timeout_s)
+
+        def save_now() -> str:
+            if self.last_saved != self.step:
+                self._save()
+            return f"step-{self.step:08d}"
+
+        code = lifecycle.finish_drain(self.run_dir, step=self.step, reason=reason or "drain requested by a peer rank",
+                                      signal_name=signal_name, save=save_now, cost_s=cost_s,
+                                      time_left_s=boundary.time_left_s, is_leader=self.topo.is_main)
+        if self.topo.is_main and code == ExitCode.DRAINED:
+            self.gate.consume_control_file()  # else the requeued job would drain again at its first step
+        return code
+
+    def _finish(self) -> None:
+        """All steps ran: the final checkpoint, and rank 0's HF export of the trained policy."""
+        if self.last_saved != self.step:
+            self._save()
+        if self.topo.is_main:
+            save_hf(self.policy.model, self.run_dir.path / "export" / "hf", max_new_tokens=self.job.rollout.max_new_tokens,
+                    tokenizer=self.policy.tokenizer)
+            events.emit(self.run_dir, "done", step=self.step, policy_version=self.version,
+                        held_out_accuracy=self.rl_state.get("eval_history", [[0, None]])[-1][1])
+
+
+def step_record(exp: Experience, stats: dict, train_s: float, sync_metrics: dict, sync_s: float, *,
+                step_s: float, step: int, version: int) -> dict:
+    """One line of metrics.jsonl: the step's seconds and shares per phase, its samples/s, and the stats
+    of experience, update and sync."""
+    record = {"t": time.time(), "step": step, "policy_version": version,
+              "restart_count": lifecycle.restart_count(), **exp.stats,
+              "train_s": train_s, "sync_s": sync_s, **stats, **sync_metrics}
+    total = exp.stats["rollout_s"] + exp.stats["reward_s"] + train_s + sync_s
+    record["step_s"] = step_s
+    for phase in ("rollout", "reward", "train", "sync"):
+        record[f"{phase}_share"] = record[f"{phase}_s"] / total if total else 0.0
+    record["effective_samples_per_s"] = exp.stats["effective_samples"] / step_s
+    return record
+
+
+def _stopped_by_slurm(gate: DrainGate, grace_s: float = 2.0) -> bool:
+    """Whether an engine call just failed because SLURM stops the whole job (requeue, preemption,
+    cancel): then our own SIGTERM comes too, within grace_s, since each node's slurmstepd signals its
+    tasks on its own clock. The step in flight is given up and the drain at the boundary checkpoints."""
+    deadline = time.monotonic() + grace_s
+    while gate.signal_name != "SIGTERM" and time.monotonic() < deadline:
+        time.sleep(0.05)  # the handler runs in this (main) thread, between two sleeps
+    return gate.signal_name == "SIGTERM"
+
+
+def _degraded_by_slurm_stop(exp: Experience | None, gate: DrainGate, grace_s: float = 0.5) -> int:
+    """Responses of `exp` degraded because SLURM stops the job (0 when none, or no SIGTERM came): its
+    SIGTERM reached the reward component too, whose service went away mid-step. Trained, they would put
+    neutral rewards into the drain checkpoint; the step is given up and the resumed job makes it again."""
+    degraded = exp.stats.get("reward_degraded", 0) if exp is not None else 0
+    return degraded if degraded and _stopped_by_slurm(gate, grace_s) else 0
