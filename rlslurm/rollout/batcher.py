@@ -191,7 +191,7 @@ class Batcher:
         job = Job(prompts, params, deadline=self.clock() + timeout_s)
         with self._cond:
             if self._stopping is not None:
-                raise self._stopping
+                raise Dropped(str(self._stopping), 503)
             if not self._pending and not self._running:
                 self.last_progress = self.clock()  # idle time is no stall
             self._pending.append(job)

@@ -181,7 +181,7 @@ def build_app(server: EngineServer, token: str, *, open_data: bool = False,
                 "verified": server.verified, "model": engine.model_name, "batches": batcher.batches,
                 "steps": batcher.steps, "pending": batcher.pending(), "dropped": dict(batcher.dropped)}
         stalled = batcher.stalled(server.stall_timeout_s)
-        if stalled:  # the watchdog and the controller see a wedged engine, not a slow one
+        if stalled:  # whoever polls /health (a client's wait_ready, a supervisor) sees a wedged engine
             return JSONResponse({**body, "status": "unhealthy", "reason": stalled}, status_code=503)
         return body
 

@@ -310,6 +310,7 @@ def test_sigterm_ends_an_engine_within_5_s_with_a_request_in_flight(tmp_path):
         thread.join(10)
     finally:
         proc.stop()
+    print(f"FIGURE sigterm_hf: the engine exited {stopped_s:.2f} s after SIGTERM, 16 x 4000 tokens in flight")
     assert stopped_s < 5, f"SIGTERM took {stopped_s:.1f} s"
     (answer,) = out
     assert isinstance(answer, httpx.HTTPError) or answer.status_code == 503, answer

@@ -89,6 +89,7 @@ def test_sigterm_ends_the_vllm_engine_within_5_s_with_a_request_in_flight(long_e
         time.sleep(0.05)
     stopped_s = time.monotonic() - started
     thread.join(10)
+    print(f"FIGURE sigterm_vllm: server and vLLM processes gone {stopped_s:.2f} s after SIGTERM, 64 x 4000 in flight")
     assert stopped_s < 5 and not alive, f"SIGTERM took {stopped_s:.1f} s; still alive: {alive}"
     (answer,) = out
     assert isinstance(answer, httpx.HTTPError) or answer.status_code == 503, answer
