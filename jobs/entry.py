@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -28,22 +27,23 @@ from rlslurm import events
 from rlslurm.config import load_config
 from rlslurm.errors import RlslurmError
 from rlslurm.lifecycle import ExitCode, leader_job_id, needs_requeue, requeue_job
+from rlslurm.node import node_name
 from rlslurm.rundir import ENV_VAR, RunDir
 
 log = logging.getLogger("rlslurm.jobs.entry")
 ROLES = {0: "train", 1: "rollout", 2: "reward"}
 
 
-def _on_slurm() -> bool:
-    return "SLURM_HET_SIZE" in os.environ or "SLURM_JOB_ID" in os.environ
-
-
 def _record_placement(run: RunDir, role: str) -> None:
-    """Where this task landed: one line per task and start in placement.jsonl (status and diag read it)."""
+    """Where this task landed: one line per task and start in placement.jsonl (diag bundles it, find_run
+    looks job ids up in it)."""
+    from rlslurm.slurm.hetjob import component_job_id
+
     run.append_json(run.path / "placement.jsonl", {
         "t": time.time(), "role": role, "rank": int(os.environ.get("RLSLURM_RANK", "0")),
-        "node": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
-        "partition": os.environ.get("SLURM_JOB_PARTITION"), "job_id": leader_job_id(),
+        "node": node_name(), "partition": os.environ.get("SLURM_JOB_PARTITION"), "job_id": leader_job_id(),
+        # This component's own id (13 of het job 12): `rlslurm status 13` finds the run by it.
+        "slurm_job_id": component_job_id(),
         "restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0")), "pid": os.getpid(),
     })
 
@@ -59,7 +59,7 @@ def _start_components(run: RunDir, kind: str) -> list:
         argv = [sys.executable, "-m", "rlslurm.jobs.entry", "--run-dir", str(run.path), "--role", role]
         out = run.logs / f"{role}-%j-%t.log"
         steps.append(hetjob.launch_component(comp.group, argv, output=str(out), srun_args=["--open-mode=append"]))
-        events.emit(run, "component_started", component=comp.group, component_role=role, partition=comp.partition,
+        events.emit(run, events.COMPONENT_STARTED, component=comp.group, component_role=role, partition=comp.partition,
                     nodes=list(comp.nodes), job_kind=kind)
     return steps
 
@@ -67,7 +67,7 @@ def _start_components(run: RunDir, kind: str) -> list:
 def start_node_agent(run: RunDir, role: str) -> subprocess.Popen:
     """The watchdog of this node (diag/watchdog.py): a separate process, since a rank wedged in C code
     or holding the GIL cannot watch itself. It exits by itself once every watched process is gone."""
-    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    node = node_name()
     argv = [sys.executable, "-m", "rlslurm.diag.watchdog", "--run-dir", str(run.path), "--host", node]
     if leader_job_id():
         argv += ["--job-id", leader_job_id()]

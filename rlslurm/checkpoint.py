@@ -33,21 +33,26 @@ import json
 import os
 import re
 import shutil
-import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
-import safetensors.torch
-import torch
 
 from rlslurm import events
-from rlslurm.configfile import check
+from rlslurm.configfile import check_range
+from rlslurm.durable import fsync
 from rlslurm.errors import CheckpointError
+from rlslurm.node import node_name
 from rlslurm.plan.checkpoint_interval import checkpoint_interval
 from rlslurm.rundir import RunDir
+
+if TYPE_CHECKING:
+    import torch
+
+# torch and safetensors are imported where tensors are written or read: CheckpointConfig is part of every job
+# config, and `rlslurm validate` / `plan` must not wait ~3 s for torch to load.
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -63,37 +68,30 @@ _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     interval_steps: int | None = None
-    """Steps between periodic checkpoints; null = Young/Daly from the measured cost and mtbf_h."""
+    """Steps between periodic checkpoints; null = Young/Daly from the measured cost and mtbf_h. Range [1, 1e8]."""
     cost_s: float = 490.0
-    """Seconds one checkpoint costs, until measured (C in Young/Daly; the lecture's 490 s)."""
+    """Seconds one checkpoint costs, until measured (C in Young/Daly; the lecture's 490 s). Range [0, 1000000]."""
     mtbf_h: float = 24.0
-    """Mean time between failures of the whole job, in hours (M in Young/Daly)."""
+    """Mean time between failures of the whole job, in hours (M in Young/Daly). Range (0, 1000000]."""
     keep: int = 2
-    """Complete checkpoints kept; older ones are deleted after a newer one is complete."""
+    """Complete checkpoints kept; older ones are deleted after a newer one is complete. Range [1, 1000]."""
     max_no_progress_restarts: int = 3
-    """Restarts in a row that make no step of progress before the job stops requeueing itself."""
+    """Restarts in a row that make no step of progress before the job stops requeueing itself. Range [1, 1000]."""
     kill_wait_s: float = 30.0
-    """Seconds SLURM leaves between SIGTERM and SIGKILL (its KillWait); a drain on SIGTERM saves only if C fits."""
+    """Seconds SLURM leaves between SIGTERM and SIGKILL (its KillWait); a drain on SIGTERM saves only if C fits.
+    Range [0, 86400]."""
 
     def __post_init__(self):
-        check(self.interval_steps is None or self.interval_steps >= 1, "interval_steps", "must be >= 1")
-        check(self.cost_s >= 0, "cost_s", "must be >= 0 (seconds)")
-        check(self.mtbf_h > 0, "mtbf_h", "must be > 0 (hours)")
-        check(self.keep >= 1, "keep", "must be >= 1")
-        check(self.max_no_progress_restarts >= 1, "max_no_progress_restarts", "must be >= 1")
-        check(self.kill_wait_s >= 0, "kill_wait_s", "must be >= 0 (seconds)")
+        check_range(self.interval_steps, "interval_steps", 1, 10**8)
+        check_range(self.cost_s, "cost_s", 0, 1_000_000, note="seconds")
+        check_range(self.mtbf_h, "mtbf_h", 0, 1_000_000, low_open=True, note="hours")
+        for key in ("keep", "max_no_progress_restarts"):
+            check_range(getattr(self, key), key, 1, 1000)
+        check_range(self.kill_wait_s, "kill_wait_s", 0, 86_400, note="seconds")
 
 
 def step_dirname(step: int) -> str:
     return f"step-{step:08d}"
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _sha256(path: Path) -> str:
@@ -139,7 +137,7 @@ class CheckpointWriter:
         self._files: dict[str, dict] = {}
 
     def _add(self, filename: str, path: Path) -> None:
-        _fsync_path(path)
+        fsync(path)
         self._files[filename] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
         if len(self._files) == 1:
             _pause_for_test(self.step)
@@ -164,12 +162,16 @@ class CheckpointWriter:
     def save_tensors(self, name: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
         """Tensors (model weights under their Hugging Face names) as `<name>.safetensors`."""
         filename, path = self._path(name, ".safetensors")
+        import safetensors.torch
+
         flat = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
         safetensors.torch.save_file(flat, str(path), metadata=metadata)
         self._add(filename, path)
 
     def save_state(self, name: str, obj: Any) -> None:
         """Any picklable state (optimizer state dict, RNG states, RL buffers) as `<name>.pt` via torch.save."""
+        import torch
+
         filename, path = self._path(name, ".pt")
         with open(path, "wb") as f:
             torch.save(obj, f)
@@ -185,25 +187,25 @@ class CheckpointWriter:
         """Manifest last, rename into place, fsync the parent, move `latest`, prune, emit checkpoint_saved."""
         manifest = {
             "format": 1, "step": self.step, "policy_version": self.policy_version, "time": time.time(),
-            "writer": {"host": socket.gethostname(), "pid": os.getpid()},
+            "writer": {"host": node_name(), "pid": os.getpid()},
             "files": self._files, "metadata": self.metadata,
         }
         (self.tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
-        _fsync_path(self.tmp / MANIFEST)
-        _fsync_path(self.tmp)
+        fsync(self.tmp / MANIFEST)
+        fsync(self.tmp)
         final = self.run.checkpoints / step_dirname(self.step)
         replaced = None
         if final.exists():  # the same step saved again (a drain right after a periodic save): swap it
             replaced = final.with_name(f".replaced-{final.name}-{os.getpid()}")
             os.rename(final, replaced)
         os.rename(self.tmp, final)
-        _fsync_path(self.run.checkpoints)
+        fsync(self.run.checkpoints)
         if replaced is not None:
             shutil.rmtree(replaced, ignore_errors=True)
         _write_latest(self.run, final.name)
         size = sum(f["bytes"] for f in self._files.values())
         self.saved = SavedCheckpoint(final, self.step, self.clock() - self._started, size)
-        events.emit(self.run, "checkpoint_saved", step=self.step, checkpoint=final.name,
+        events.emit(self.run, events.CHECKPOINT_SAVED, step=self.step, checkpoint=final.name,
                     seconds=round(self.saved.seconds, 6), bytes=size)
         if self.keep is not None:
             prune(self.run, self.keep)
@@ -227,19 +229,21 @@ def write_rank_state(directory: Path, name: str, obj: Any) -> str:
     file name for rank 0's `CheckpointWriter.add_written`."""
     if not _NAME.match(name) or name == "manifest":
         raise CheckpointError(f"checkpoint file name {name!r} must match {_NAME.pattern} and not be 'manifest'")
+    import torch
+
     path = Path(directory) / f"{name}.pt"
     with open(path, "wb") as f:
         torch.save(obj, f)
-    _fsync_path(path)
+    fsync(path)
     return path.name
 
 
 def _write_latest(run: RunDir, name: str) -> None:
     tmp = run.checkpoints / f".{LATEST}.tmp-{os.getpid()}"
     tmp.write_text(name + "\n")
-    _fsync_path(tmp)
+    fsync(tmp)
     os.replace(tmp, run.checkpoints / LATEST)
-    _fsync_path(run.checkpoints)
+    fsync(run.checkpoints)
 
 
 @dataclass(frozen=True)
@@ -267,12 +271,16 @@ class Checkpoint:
         return self.path / filename
 
     def load_tensors(self, name: str) -> dict[str, torch.Tensor]:
+        import safetensors.torch
+
         return safetensors.torch.load_file(str(self._file(name + ".safetensors")))
 
     def has_state(self, name: str) -> bool:
         return f"{name}.pt" in self.manifest["files"]
 
     def load_state(self, name: str) -> Any:
+        import torch
+
         # Our own file, checked against the manifest's sha256: full unpickling (numpy RNG state) is safe here.
         return torch.load(self._file(name + ".pt"), weights_only=False)
 
@@ -331,7 +339,7 @@ def latest_complete(run: RunDir, *, tidy: bool = True) -> Checkpoint | None:
         if pid is not None:
             alive = _writer_alive(pid)
             if chosen is None:
-                events.emit(run, "checkpoint_skipped", step=step, checkpoint=path.name,
+                events.emit(run, events.CHECKPOINT_SKIPPED, step=step, checkpoint=path.name,
                             reason=f"incomplete: no manifest, writer pid {pid} {'alive' if alive else 'dead'}")
             if tidy and not alive:
                 shutil.rmtree(path, ignore_errors=True)
@@ -346,7 +354,7 @@ def latest_complete(run: RunDir, *, tidy: bool = True) -> Checkpoint | None:
         if tidy:
             moved = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
             os.rename(path, moved)
-        events.emit(run, "checkpoint_skipped", step=step, checkpoint=path.name, reason=reason,
+        events.emit(run, events.CHECKPOINT_SKIPPED, step=step, checkpoint=path.name, reason=reason,
                     moved_to=moved.name)
     return chosen
 

@@ -15,12 +15,14 @@ Checks between sections live in `JobConfig.__post_init__` and name every key inv
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from rlslurm.checkpoint import CheckpointConfig
-from rlslurm.configfile import FieldError, check, load_mapping, read_yaml
+from rlslurm.config_rules import ignored_values
+from rlslurm.configfile import FieldError, check, check_name, load_mapping, read_yaml
 from rlslurm.diag.config import DiagConfig
 from rlslurm.errors import ConfigError
 from rlslurm.modelspec import ModelConfig
@@ -32,6 +34,7 @@ from rlslurm.plan.steptime import TimingConfig
 from rlslurm.reward.config import RewardConfig
 from rlslurm.rl.config import RLConfig
 from rlslurm.rollout.config import RolloutConfig
+from rlslurm.safeyaml import clip, read_text
 from rlslurm.slurm.config import ClusterConfig
 from rlslurm.sync.config import SyncConfig
 from rlslurm.tasks.config import TaskConfig
@@ -41,13 +44,13 @@ from rlslurm.train_config import TrainConfig
 @dataclass(frozen=True, kw_only=True)
 class JobSpec:
     name: str = "rlslurm-job"
-    """Job name shown by SLURM and used in the run directory's name."""
+    """Job name shown by SLURM and used in the run directory's name: 1 to 64 letters, digits, '.', '_' or '-',
+    starting with a letter or digit."""
     kind: Literal["sft", "rl", "toy"] = "rl"
     """Which entrance: sft = offline data, rl = GRPO with rollout, reward and weight sync, toy = the spine's deterministic test loop."""
 
     def __post_init__(self):
-        check(bool(self.name) and "/" not in self.name and not self.name.startswith("."), "name",
-              "must be a non-empty name without '/' (it names the run directory)")
+        check_name(self.name, "name", "it names the run directory and the SLURM job")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,19 +99,25 @@ class JobConfig:
         if self.reward.service == "component":
             check(bool(self.reward.partition), "reward.partition",
                   "is required when reward.service = 'component' (the SLURM partition of the reward component)")
+        for key, message in ignored_values(self):
+            raise FieldError(key, message)
         if self.train.backend == "megatron":
             from rlslurm.megatron.policy import job_rules  # torch only at import; megatron when it runs
 
             for key, message in job_rules(self):
                 raise FieldError(key, message)
         m = self.model
-        for rule in static_rules(self.parallel, m.layers, m.heads, m.n_kv_heads, m.experts, hw.gpus_per_node,
-                                 self.rollout.tp):
-            raise FieldError(rule.keys[0], rule.message)
+        rules = [(r.keys, r.message) for r in static_rules(self.parallel, m.layers, m.heads, m.n_kv_heads,
+                                                             m.experts, hw.gpus_per_node, self.rollout.tp)]
         world = self.train_gpus()
         if world is not None:
-            for rule in world_rules(self.parallel, world):
-                raise FieldError(rule.keys[0], rule.message + self._split_note())
+            rules += [(r.keys, r.message + self._split_note()) for r in world_rules(self.parallel, world)]
+        if len(rules) == 1:
+            raise FieldError(rules[0][0][0], rules[0][1])
+        if rules:  # all of them at once: a layout is fixed once, not once per rule
+            keys = list(dict.fromkeys(keys[0] for keys, _ in rules))
+            raise FieldError(keys[0], f"{', '.join(keys)}: {len(rules)} parallel rules are broken: "
+                                      + "; ".join(f"({n}) {message}" for n, (_, message) in enumerate(rules, 1)))
 
     def train_gpus(self) -> int | None:
         """Training GPUs of the configured split; None while the plan has yet to choose it."""
@@ -128,33 +137,42 @@ class JobConfig:
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
     """Read, validate and return the job config at `path`; raises ConfigError naming the key.
 
-    `overrides` are `section.key=value` strings (the CLI's --set); values are parsed as YAML.
+    `overrides` are `section.key=value` strings (the CLI's --set); values are parsed as YAML, by the same
+    reader and with the same limits as the file (rlslurm/safeyaml.py).
     """
     data = read_yaml(path)
-    if data is None:
-        data = {}
+    if data is None or data == {}:
+        raise ConfigError(f"{path}: holds no job: the file is empty; a job config is a mapping of sections "
+                          f"(job, cluster, model, ...), e.g. examples/tiny-grpo.yaml")
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of sections, not {type(data).__name__}")
+        raise ConfigError(f"{path}: holds no job: the top level must be a mapping of sections, not "
+                          f"{type(data).__name__}")
     for item in overrides:
         apply_override(data, item, str(path))
     return load_mapping(JobConfig, data, source=str(path))
 
 
+MAX_OVERRIDE_DEPTH = 4
+"""Parts of a --set key path: section.key (reward.sandbox.cpu_s and diag.phase_timeouts_s.rollout have 3)."""
+_KEY_PART = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+
+
 def apply_override(data: dict, item: str, source: str) -> None:
     """Set `a.b.c=value` inside the raw mapping; validation afterwards names the key as usual."""
-    import yaml
-
     key, sep, raw = item.partition("=")
+    shown = clip(item, 80)
     if not sep or not key.strip():
-        raise ConfigError(f"{source}: --set {item!r} must look like section.key=value")
+        raise ConfigError(f"{source}: --set {shown!r} must look like section.key=value")
     parts = key.strip().split(".")
+    if len(parts) > MAX_OVERRIDE_DEPTH or not all(_KEY_PART.fullmatch(p) for p in parts):
+        raise ConfigError(f"{source}: --set {shown!r}: {clip(key, 80)!r} is not a key path: section.key, made of "
+                          f"names of letters, digits and '_' (at most {MAX_OVERRIDE_DEPTH} parts), e.g. train.steps")
     node = data
     for part in parts[:-1]:
-        child = node.setdefault(part, {})
+        child = node.get(part)
+        if child is None:  # absent, or `section:` with nothing under it (the loader reads that as empty)
+            child = node[part] = {}
         if not isinstance(child, dict):
-            raise ConfigError(f"{source}: --set {item!r}: {part} is not a section")
+            raise ConfigError(f"{source}: --set {shown!r}: {part} is not a section")
         node = child
-    try:
-        node[parts[-1]] = yaml.safe_load(raw)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{source}: --set {item!r}: the value is not valid YAML ({e})") from None
+    node[parts[-1]] = read_text(raw, f"{source}: --set {clip(key, 80)}")

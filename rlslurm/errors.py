@@ -55,12 +55,6 @@ class StalenessError(RlslurmError):
     exit_code = 1
 
 
-class HangDetectedError(RlslurmError):
-    """The watchdog found a rank without progress past its phase timeout."""
-
-    exit_code = 7
-
-
 class RewardServiceError(RlslurmError):
     """The reward service is unreachable or failed past the configured degradation policy."""
 

@@ -9,7 +9,9 @@ local`) the same entry function runs through submitit's local executor on this m
 
 Every start of the job finds its way from the run directory alone (RLSLURM_RUN_DIR): the resolved
 config, the plan, the job's secret (<run>/secret, mode 0600, made here once) and the checkpoints it
-resumes from.
+resumes from. `dry_run` (`rlslurm submit --dry-run`) validates and
+pre-flights the same way, then shows the run directory, the layout and the sbatch script or local launch it
+would use, and creates and submits nothing.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import os
 import re
 import shlex
 import shutil
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,9 +31,9 @@ import yaml
 from rlslurm import events, secret
 from rlslurm.config import JobConfig
 from rlslurm.configfile import to_dict
-from rlslurm.errors import JobFailedError, PreflightError, RlslurmError, SlurmCommandError
+from rlslurm.errors import JobFailedError, PreflightError, RlslurmError, RunDirError, SlurmCommandError
 from rlslurm.layout import JobLayout
-from rlslurm.rundir import ENV_VAR, RunDir, read_jsonl
+from rlslurm.rundir import ENV_VAR, RunDir, find_run, read_jsonl
 
 log = logging.getLogger("rlslurm.launch")
 
@@ -63,15 +64,29 @@ def resolve_backend(job: JobConfig, override: str | None = None) -> str:
     return "slurm" if " is UP" in out else "local"
 
 
-def new_run_dir(job: JobConfig, root: str | Path | None = None) -> RunDir:
-    """<run_root>/<job name>-<UTC time>[-n]: a fresh directory, never an existing run's."""
-    base = Path(root or job.cluster.run_root).resolve()
+def run_dir_path(job: JobConfig, root: str | Path | None = None) -> Path:
+    """<run_root>/<job name>-<UTC time>[-n]: a path no run has yet (not created here)."""
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    path, n = base / f"{job.job.name}-{stamp}", 1
-    while path.exists():
-        n += 1
-        path = base / f"{job.job.name}-{stamp}-{n}"
-    return RunDir(path).create()
+    try:
+        base = Path(root or job.cluster.run_root).resolve()
+        path, n = base / f"{job.job.name}-{stamp}", 1
+        while path.exists():
+            n += 1
+            path = base / f"{job.job.name}-{stamp}-{n}"
+    except OSError as e:  # --run-root is not checked like cluster.run_root: a name too long, a loop
+        raise RunDirError(f"cannot use the run root {str(root or job.cluster.run_root)[:200]!r} "
+                          f"({e.strerror or e}); check cluster.run_root (or --run-root)") from None
+    return path
+
+
+def new_run_dir(job: JobConfig, root: str | Path | None = None) -> RunDir:
+    """A fresh run directory (run_dir_path), never an existing run's."""
+    path = run_dir_path(job, root)
+    try:
+        return RunDir(path).create()
+    except OSError as e:
+        raise RunDirError(f"cannot create the run directory {path} ({e.strerror or e}); "
+                          "check cluster.run_root (or --run-root)") from None
 
 
 def checked_plan(job: JobConfig, force: bool = False):
@@ -97,7 +112,7 @@ def prepare(job: JobConfig, *, config_text: str, force: bool = False, run_root: 
     (run.path / "config.submitted.yaml").write_text(config_text)
     run.plan.write_text(render_json(plan))
     if problems:
-        events.emit(run, "preflight_forced", problems=problems)
+        events.emit(run, events.PREFLIGHT_FORCED, problems=problems)
     return run, plan
 
 
@@ -115,7 +130,7 @@ def _launch(job: JobConfig, run: RunDir, plan, backend: str, **record) -> Submis
     sub = _submit_slurm(job, run, lay) if backend == "slurm" else _submit_local(job, run, lay)
     run.append_json(run.path / "submissions.jsonl",
                     {"t": time.time(), "job_id": sub.job_id, "backend": backend, "layout": lay.to_dict(), **record})
-    events.emit(run, "submitted", job_id=sub.job_id, backend=backend, layout=lay.to_dict(), **record)
+    events.emit(run, events.SUBMITTED, job_id=sub.job_id, backend=backend, layout=lay.to_dict(), **record)
     return sub
 
 
@@ -127,7 +142,7 @@ def resume(target: str, *, overrides: tuple[str, ...] = (), force: bool = False,
     and pre-flighted like a new submission. Refused while a job of the run still shows signs of life."""
     from rlslurm.config import load_config
     from rlslurm.plan.report import render_json
-    from rlslurm.status import find_run, slurm_components
+    from rlslurm.status import slurm_components
 
     run, previous = find_run(target, run_root)
     job = load_config(run.config, overrides)
@@ -147,9 +162,9 @@ def resume(target: str, *, overrides: tuple[str, ...] = (), force: bool = False,
     if overrides:
         run.config.write_text(yaml.safe_dump(to_dict(job), sort_keys=False))
         run.plan.write_text(render_json(plan))
-        events.emit(run, "config_changed", overrides=list(overrides))
+        events.emit(run, events.CONFIG_CHANGED, overrides=list(overrides))
     if problems:
-        events.emit(run, "preflight_forced", problems=problems)
+        events.emit(run, events.PREFLIGHT_FORCED, problems=problems)
     secret.ensure(run.secret)  # the run's own secret again (made here for a run submitted before there was one)
     # A new series of starts: the no-progress count (lifecycle.on_start) does not reach back past it.
     run.record_start(resubmitted=True, after_job_id=previous, step=None)
@@ -172,8 +187,37 @@ def signs_of_life(run: RunDir, job: JobConfig, now: float) -> str | None:
     return None
 
 
-def _submit_slurm(job: JobConfig, run: RunDir, lay: JobLayout) -> Submission:
-    from rlslurm.jobs.entry import run_component
+def dry_run(job: JobConfig, *, force: bool = False, backend: str | None = None,
+            run_root: str | Path | None = None) -> str:
+    """What `submit` would do, as text: backend, run directory, layout, pre-flight, and the sbatch script (SLURM)
+    or the local launch. Validates and pre-flights like submit; creates no run directory, submits nothing."""
+    plan, problems = checked_plan(job, force)
+    chosen = resolve_backend(job, backend)
+    lay = JobLayout.decide(job, plan, chosen)
+    path = run_dir_path(job, run_root)
+    lines = ["dry run: nothing submitted, no run directory created",
+             f"job {job.job.name!r} ({job.job.kind}) on {chosen}; placement {plan.placement}, sync {plan.sync_method}",
+             f"run directory would be: {path}",
+             "layout: " + ", ".join(f"{k} = {v}" for k, v in lay.to_dict().items()),
+             "preflight: " + ("ok" if not problems else "forced past: " + "; ".join(problems))]
+    if chosen == "slurm":
+        from rlslurm.slurm.hetjob import ScriptRenderer, submission_script
+
+        script = submission_script(_slurm_executor(job, path, lay, ScriptRenderer))
+        lines += ["sbatch script:", script.rstrip("\n")]
+    else:
+        engines = (f"rank 0 spawns {lay.engines} rollout engine(s) beside it" if job.job.kind == "rl"
+                   else "no rollout")
+        lines += ["local launch (submitit's LocalExecutor on this machine):",
+                  f"  {lay.train_world} task(s) of rlslurm.jobs.entry.run_component({str(path)!r}), timeout "
+                  f"{job.cluster.time_limit_min} min; {engines}",
+                  f"  env: {ENV_VAR}={shlex.quote(str(path))} MASTER_ADDR=127.0.0.1 MASTER_PORT=<a free port>",
+                  f"  logs: {path / 'logs' / 'submitit'}"]
+    return "\n".join(lines) + "\n"
+
+
+def _slurm_executor(job: JobConfig, run_path: Path, lay: JobLayout, executor_class=None):
+    """The het-job executor of this job, its parameters set (components 1 and 2 as the layout says)."""
     from rlslurm.slurm.hetjob import Component, HetSlurmExecutor
 
     cl = job.cluster
@@ -188,12 +232,16 @@ def _submit_slurm(job: JobConfig, run: RunDir, lay: JobLayout) -> Submission:
                                  "follows component 1); use reward.service: local with colocated rollout")
         extra.append(Component(partition=job.reward.partition or "", nodes=1, ntasks_per_node=1,
                                cpus_per_task=cl.cpus_per_task))
-    executor = HetSlurmExecutor(run.logs / "submitit", components=extra)
+    try:
+        executor = (executor_class or HetSlurmExecutor)(run_path / "logs" / "submitit", components=extra)
+    except RuntimeError as e:  # submitit's SlurmExecutor: no srun on this machine
+        raise SlurmCommandError(f"cannot submit to SLURM from here: {e} (--backend local runs on this machine)") \
+            from None
     params: dict = dict(partition=cl.train_partition, nodes=lay.train_nodes, ntasks_per_node=lay.train_tasks_per_node,
                         cpus_per_task=cl.cpus_per_task, time=cl.time_limit_min, job_name=job.job.name,
                         # USR1 to every task (not only the batch shell): each rank's drain gate sees it.
                         additional_parameters={"requeue": True, "signal": f"USR1@{cl.signal_before_s}"},
-                        setup=[f"export {ENV_VAR}={shlex.quote(str(run.path))}",
+                        setup=[f"export {ENV_VAR}={shlex.quote(str(run_path))}",
                                "export RLSLURM_LEADER_JOB_ID=${SLURM_JOB_ID}"])
     if cl.mem_gb:
         params["mem"] = f"{int(cl.mem_gb)}GB"
@@ -203,7 +251,13 @@ def _submit_slurm(job: JobConfig, run: RunDir, lay: JobLayout) -> Submission:
         key, _, value = option.lstrip("-").partition("=")
         params["additional_parameters"][key.replace("-", "_")] = value or True
     executor.update_parameters(**params)
-    sjob = executor.submit(run_component, str(run.path))
+    return executor
+
+
+def _submit_slurm(job: JobConfig, run: RunDir, lay: JobLayout) -> Submission:
+    from rlslurm.jobs.entry import run_component
+
+    sjob = _slurm_executor(job, run.path, lay).submit(run_component, str(run.path))
     return Submission(job_id=str(sjob.job_id), backend="slurm", run_dir=run.path, job=sjob)
 
 
@@ -232,11 +286,6 @@ def _submit_local(job: JobConfig, run: RunDir, lay: JobLayout) -> Submission:
             else:
                 os.environ[key] = value
     return Submission(job_id=str(sjob.job_id), backend="local", run_dir=run.path, job=sjob)
-
-
-def python_argv(module: str, *args: str) -> list[str]:
-    """argv that runs `python -m module args` with this interpreter (same venv on every node)."""
-    return [sys.executable, "-m", module, *args]
 
 
 def describe(sub: Submission) -> str:

@@ -8,58 +8,65 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlslurm.configfile import check
+from rlslurm.configfile import check, check_range, check_text
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     name: str = "tiny"
-    """A label for reports (the embedded default is `tiny`)."""
+    """A label for reports (the embedded default is `tiny`); at most 128 characters."""
     layers: int = 2
-    """Transformer layers."""
+    """Transformer layers. Range [1, 1024]."""
     hidden: int = 64
-    """Hidden size (d_model)."""
+    """Hidden size (d_model). Range [1, 1000000]."""
     heads: int = 4
-    """Attention heads."""
+    """Attention heads. Range [1, 4096]."""
     kv_heads: int | None = None
-    """Key/value heads for grouped-query attention; null = heads (plain multi-head attention)."""
+    """Key/value heads for grouped-query attention; null = heads (plain multi-head attention). Range [1, 4096]."""
     head_dim: int | None = None
-    """Size of one attention head; null = hidden / heads (Qwen3-style models set it larger)."""
+    """Size of one attention head; null = hidden / heads (Qwen3-style models set it larger). Range [1, 65536]."""
     ffn_hidden: int = 256
-    """Hidden size of the dense MLP (per expert: `expert_ffn_hidden`)."""
+    """Hidden size of the dense MLP (per expert: `expert_ffn_hidden`). Range [1, 1e7]."""
     vocab: int = 32
-    """Vocabulary size."""
+    """Vocabulary size. Range [1, 1e7]."""
     max_positions: int = 128
-    """Longest sequence the position embedding covers, in tokens."""
+    """Longest sequence the position embedding covers, in tokens. Range [1, 1e8]."""
     experts: int = 0
-    """Routed experts per MoE layer; 0 = a dense model."""
+    """Routed experts per MoE layer; 0 = a dense model. Range [0, 65536]."""
     topk: int = 0
-    """Experts each token is routed to (MoE only)."""
+    """Experts each token is routed to (MoE only: 0 with a dense model). Range [0, 1024]."""
     expert_ffn_hidden: int | None = None
-    """Hidden size of one expert's MLP; null = ffn_hidden."""
+    """Hidden size of one expert's MLP; null = ffn_hidden (MoE only). Range [1, 1e7]."""
     tie_embeddings: bool = True
     """Input embedding and LM head share one matrix."""
     expert_params_b: float | None = None
-    """Override: all routed-expert parameters, in billions (e.g. 35 for the lecture's model)."""
+    """Override: all routed-expert parameters, in billions (e.g. 35 for the lecture's model). Range [0, 1000000]."""
     dense_params_b: float | None = None
-    """Override: non-expert parameters each GPU holds before TP/PP sharding, in billions."""
+    """Override: non-expert parameters each GPU holds before TP/PP sharding, in billions. Range (0, 1000000]."""
     active_params_b: float | None = None
-    """Override: parameters read per decoded token, in billions (the decode roofline uses it)."""
+    """Override: parameters read per decoded token, in billions (the decode roofline uses it). Range (0, 1000000]."""
 
     def __post_init__(self):
-        for name in ("layers", "hidden", "heads", "ffn_hidden", "vocab", "max_positions"):
-            check(getattr(self, name) > 0, name, "must be > 0")
+        check_text(self.name, "name", 128)
+        check_range(self.layers, "layers", 1, 1024)
+        check_range(self.hidden, "hidden", 1, 1_000_000)
+        check_range(self.heads, "heads", 1, 4096)
+        check_range(self.kv_heads, "kv_heads", 1, 4096)
+        check_range(self.head_dim, "head_dim", 1, 65_536)
+        for name in ("ffn_hidden", "vocab", "expert_ffn_hidden"):
+            check_range(getattr(self, name), name, 1, 10**7)
+        check_range(self.max_positions, "max_positions", 1, 10**8, note="tokens")
+        check_range(self.experts, "experts", 0, 65_536)
+        check_range(self.topk, "topk", 0, 1024)
         check(self.hidden % self.heads == 0, "heads", f"must divide model.hidden = {self.hidden}")
         if self.kv_heads is not None:
             check(self.kv_heads > 0 and self.heads % self.kv_heads == 0, "kv_heads",
                   f"must be > 0 and divide model.heads = {self.heads}")
-        check(self.head_dim is None or self.head_dim > 0, "head_dim", "must be > 0")
-        check(self.experts >= 0, "experts", "must be >= 0")
         if self.experts:
             check(0 < self.topk <= self.experts, "topk", f"must be in 1..model.experts = {self.experts}")
-        for name in ("expert_params_b", "dense_params_b", "active_params_b"):
-            value = getattr(self, name)
-            check(value is None or value >= 0, name, "must be >= 0 (billions of parameters)")
+        check_range(self.expert_params_b, "expert_params_b", 0, 1_000_000, note="billions of parameters")
+        for name in ("dense_params_b", "active_params_b"):
+            check_range(getattr(self, name), name, 0, 1_000_000, low_open=True, note="billions of parameters")
 
     @property
     def n_kv_heads(self) -> int:

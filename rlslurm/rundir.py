@@ -1,6 +1,6 @@
 """One run directory per job: the single source of truth that status, diag, resume and humans read.
 
-    <run>/config.yaml        resolved config (defaults filled in)
+    <run>/config.yaml        resolved config (defaults filled in); config.submitted.yaml: the file as given
     <run>/plan.json          the plan at submit time
     <run>/layout.json        what the plan decided: placement, sync method, nodes, engines (rlslurm/layout.py)
     <run>/jobs.jsonl         one line per start of the job: SLURM job id, restart count, host, time
@@ -12,18 +12,25 @@
     <run>/checkpoints/       step-XXXXXXXX/ complete checkpoints, `latest` pointer
     <run>/logs/              SLURM / submitit logs and per-rank logs
     <run>/control/           requests to the running job (e.g. `drain`)
+    <run>/endpoints/         where the rollout engines and the reward service publish their URLs
+    <run>/export/            hf/: the trained model in Hugging Face layout (SFT and RL); init/: RL's start
+    <run>/submissions.jsonl  one line per `rlslurm submit` / `resume`: job id, backend, layout
+    <run>/placement.jsonl    one line per task and start: role, rank, node, job ids
     <run>/secret             the job's secret (mode 0600): every server of the job requires it (rlslurm/secret.py)
 
-Processes find it from the RLSLURM_RUN_DIR environment variable that submit sets.
+Processes find it from the RLSLURM_RUN_DIR environment variable that submit sets. Commands that take
+`<jobid|rundir>` (status, drain, resume, diag, envdiff, report) find it with `find_run`.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from rlslurm.errors import RunDirError
 
@@ -118,3 +125,94 @@ class JsonlTail:
             except json.JSONDecodeError:
                 continue  # empty, or torn by a writer killed mid-line: the record is lost, not the run
         return out
+
+
+JOB_RECORDS = ("submissions.jsonl", "jobs.jsonl", "placement.jsonl")
+"""Where a run records SLURM job ids: each submission (before any start, so a job that never ran is found),
+each start of the job (across requeues and resumes), each task's placement (a het component's own id)."""
+DEFAULT_RUN_ROOTS = ("runs", ".")
+"""Where `find_run` looks without --run-root: `cluster.run_root`'s default, then the current directory."""
+_JOB_ID = re.compile(r"(\d+)(?:\+\d+)?")
+
+
+class FoundRun(NamedTuple):
+    """What a `<jobid|rundir>` argument names."""
+
+    run: RunDir
+    job_id: str | None
+    """The job's id as SLURM answers for all its components (a het job's leader); None: never had one."""
+
+
+def find_run(target: str | Path, run_root: str | Path | None = None) -> FoundRun:
+    """The run that a `<jobid|rundir>` argument names; every command that takes one asks here.
+
+    In order:
+    - a path to a run directory (it holds config.yaml or one of the run's records): that run, with the
+      job id of its newest submission or start;
+    - a SLURM job id recorded in `<root>/*/{submissions,jobs,placement}.jsonl`: the run whose newest record
+      has it (an id stays with its run across requeues; should a fresh cluster reuse one, the newest run
+      wins). A het component is found by `12+1` (squeue's and sacct's spelling) or by its own id (13);
+      the job id returned is then the leader's (12), the one SLURM requeues and reports the whole job by;
+    - a run directory's name under a root (`tiny-grpo-20260101-120000`).
+    Roots: `run_root`, else ./runs then the current directory. Anything else raises RunDirError naming
+    what it looked at.
+    """
+    text = str(target).strip()
+    path = Path(text)
+    if path.is_dir():
+        if _is_run(path):
+            run = RunDir(path)
+            return FoundRun(run, newest_job_id(run))
+        inside = sorted((p.name for p in path.iterdir() if _is_run(p)), reverse=True)
+        hint = f"; runs in it: {', '.join(inside[:5])}{' ...' if len(inside) > 5 else ''}" if inside else ""
+        raise RunDirError(f"{text} is a directory but not a run directory (none of config.yaml, events.jsonl, "
+                          f"{', '.join(JOB_RECORDS)} in it){hint}")
+    roots = [Path(run_root)] if run_root else [Path(r) for r in DEFAULT_RUN_ROOTS]
+    job = _JOB_ID.fullmatch(text)
+    looked = []
+    for root in roots:
+        runs = sorted(p for p in root.iterdir() if _is_run(p)) if root.is_dir() else []
+        looked.append(f"{root.resolve()} ({len(runs)} run director{'y' if len(runs) == 1 else 'ies'})")
+        if job:
+            found = _recorded(runs, text, job.group(1))
+            if found:  # the first root that knows the job decides: `.` is only the fallback
+                return found
+        elif _is_run(root / text):
+            run = RunDir(root / text)
+            return FoundRun(run, newest_job_id(run))
+    what = f"no run records job {text}" if job else f"{text!r} is no directory, job id or run name"
+    raise RunDirError(f"{what}: looked in {'; '.join(looked)}"
+                      + (f" for */{{{','.join(JOB_RECORDS)}}}" if job else "")
+                      + "; pass --run-root DIR (the job's cluster.run_root) or the run directory itself")
+
+
+def _recorded(runs: list[Path], job_id: str, leader: str) -> FoundRun | None:
+    """The run among `runs` whose newest record carries `job_id` (or its het leader), with the leader's id."""
+    best: tuple[float, Path, str] | None = None
+    for path in runs:
+        for name in JOB_RECORDS:
+            for record in read_jsonl(path / name):
+                ids = {str(record[k]) for k in ("job_id", "slurm_job_id") if record.get(k) is not None}
+                if (job_id in ids or leader in ids) and (best is None or record.get("t", 0.0) >= best[0]):
+                    best = (record.get("t", 0.0), path, str(record.get("job_id") or leader))
+    return FoundRun(RunDir(best[1]), best[2]) if best else None
+
+
+def newest_job_id(run: RunDir) -> str | None:
+    """The job id of the run's newest submission or start (a het job's leader); None for a run without one."""
+    records = [r for name in JOB_RECORDS[:2] for r in read_jsonl(run.path / name) if r.get("job_id")]
+    if not records:
+        return None
+    newest = max(range(len(records)), key=lambda i: (records[i].get("t", 0.0), i))
+    return str(records[newest]["job_id"])
+
+
+def submitted_backend(run: RunDir) -> str | None:
+    """Where the run's newest submission went (`slurm` or `local`); None for a run never submitted.
+    A local run's job id is submitit's local one, which SLURM knows nothing of."""
+    subs = read_jsonl(run.path / "submissions.jsonl")
+    return subs[-1].get("backend") if subs else None
+
+
+def _is_run(path: Path) -> bool:
+    return path.is_dir() and any((path / name).is_file() for name in ("config.yaml", "events.jsonl", *JOB_RECORDS))

@@ -1,7 +1,7 @@
 """`rlslurm status <jobid|rundir>`: what a job is doing now, read from SLURM and its run directory.
 
-SLURM side: the state of each het component (squeue while the job is known to slurmctld, then
-scontrol / sacct, or `sacct -c` where there is no accounting database), nodes and restarts. Run side:
+SLURM side: the state of each het component (`scontrol show job` while slurmctld knows the job, then
+sacct, or `sacct -c` where there is no accounting database), nodes and restarts. Run side:
 the latest start, current step and phase per role from the heartbeats, the progress line (rlslurm/
 progress.py), the last complete checkpoint, and the last events.
 """
@@ -14,9 +14,10 @@ from pathlib import Path
 
 import yaml
 
-from rlslurm.errors import RunDirError, SlurmCommandError, SlurmParseError
+from rlslurm.errors import SlurmCommandError, SlurmParseError
+from rlslurm.events import BASE_FIELDS
 from rlslurm.progress import Progress
-from rlslurm.rundir import RunDir, read_jsonl
+from rlslurm.rundir import RunDir, find_run, read_jsonl, submitted_backend
 
 
 @dataclass
@@ -33,36 +34,6 @@ class Status:
     last_events: list[dict] = field(default_factory=list)
     slurm_error: str | None = None
     progress: str | None = None
-
-
-def find_run(target: str, run_root: str | Path | None = None) -> tuple[RunDir, str | None]:
-    """A run directory from a path, or from a job id recorded by submit (submissions.jsonl) or by a start
-    (jobs.jsonl) under run_root; returns the run and its newest job id."""
-    path = Path(target)
-    if path.is_dir() and (path / "config.yaml").is_file():
-        run = RunDir(path)
-        return run, _newest_job_id(run)
-    roots = [Path(run_root)] if run_root else [Path("runs"), Path(".")]
-    for root in roots:
-        for candidate in sorted(root.glob("*/config.yaml"), reverse=True):
-            run = RunDir(candidate.parent)
-            ids = {str(r.get("job_id")) for r in read_jsonl(run.path / "submissions.jsonl") + read_jsonl(run.jobs)}
-            if str(target) in ids:
-                return run, str(target)
-    raise RunDirError(f"{target!r} is neither a run directory nor a job id recorded under "
-                      f"{', '.join(str(r) for r in roots)} (pass --run-root DIR)")
-
-
-def _newest_job_id(run: RunDir) -> str | None:
-    for record in reversed(read_jsonl(run.path / "submissions.jsonl")):
-        if record.get("job_id"):
-            return str(record["job_id"])
-    return None
-
-
-def _backend(run: RunDir) -> str | None:
-    subs = read_jsonl(run.path / "submissions.jsonl")
-    return subs[-1].get("backend") if subs else None
 
 
 def slurm_components(job_id: str) -> list[dict]:
@@ -93,7 +64,7 @@ def collect(target: str, run_root: str | Path | None = None) -> Status:
     from rlslurm.events import read_events
 
     run, job_id = find_run(target, run_root)
-    status = Status(run_dir=run.path, job_id=job_id, backend=_backend(run))
+    status = Status(run_dir=run.path, job_id=job_id, backend=submitted_backend(run))
     if job_id and status.backend == "slurm":
         try:
             status.components = slurm_components(job_id)
@@ -149,7 +120,7 @@ def render(status: Status) -> str:
 
 def _fields(event: dict, most: int = 6) -> str:
     """An event's own fields, short: floats to 3 significant digits, at most `most` of them (the file has all)."""
-    extra = [(k, v) for k, v in event.items() if k not in ("t", "kind", "host", "pid", "role", "rank")]
+    extra = [(k, v) for k, v in event.items() if k not in BASE_FIELDS]
     text = [f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in extra[:most]]
     if len(extra) > most:
         text.append(f"(+{len(extra) - most} more)")
@@ -158,9 +129,9 @@ def _fields(event: dict, most: int = 6) -> str:
 
 def _submitted_at(run: RunDir) -> float:
     """When the run's newest job was submitted (its `submitted` event); 0 where none is recorded."""
-    from rlslurm.events import read_events
+    from rlslurm import events
 
-    submitted = read_events(run, "submitted")
+    submitted = events.read_events(run, events.SUBMITTED)
     return submitted[-1]["t"] if submitted else 0.0
 
 
@@ -190,7 +161,7 @@ def follow(target: str, run_root: str | Path | None, show, *, poll_s: float = 2.
     from rlslurm.errors import JobFailedError, RlslurmError
 
     run, job_id = find_run(target, run_root)
-    backend = _backend(run)
+    backend = submitted_backend(run)
     since = _submitted_at(run)
     progress = Progress(run, total_steps=_total_steps(run))
     started = clock()

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
+from rlslurm.durable import fsync
 from rlslurm.errors import ConfigError
 from rlslurm.modelspec import ModelConfig
 from rlslurm.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB, is_embedded, save_model_tokenizer, save_tokenizer
@@ -93,7 +94,7 @@ def save_hf(model: torch.nn.Module, directory: str | Path, max_new_tokens: int =
             model.save_pretrained(str(tmp), safe_serialization=True)
             save_model_tokenizer(tokenizer, tmp, max_length=model.config.max_position_embeddings)
         for name in HF_FILES:
-            _fsync(tmp / name)
+            fsync(tmp / name)
         _replace_dir(tmp, directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -110,14 +111,6 @@ def load_hf(directory: str | Path) -> tuple[LlamaForCausalLM, object]:
                           "point train.init_from at an SFT run's export/hf")
     model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
     return model.eval(), AutoTokenizer.from_pretrained(str(directory))
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _replace_dir(new: Path, target: Path) -> None:

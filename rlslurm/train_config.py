@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from rlslurm.configfile import check
+from rlslurm.configfile import check, check_path, check_range
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -14,35 +14,41 @@ class TrainConfig:
     """torch = DDP trainer (CPU default); megatron = Megatron-core (rlslurm/megatron/policy.py): job.kind rl
     only, a CUDA GPU on every trainer rank at run time (on CPU the job stops with an error naming the fix)."""
     steps: int = 20
-    """Optimizer steps the job runs in total (across requeues)."""
+    """Optimizer steps the job runs in total (across requeues). Range [1, 1e8]."""
     lr: float = 1e-3
-    """Peak learning rate."""
+    """Peak learning rate. Range (0, 10]."""
     batch_size: int = 32
-    """Sequences per optimizer step across all data-parallel ranks."""
+    """Sequences per optimizer step across all data-parallel ranks (SFT and toy jobs; an RL step is
+    rl.prompts_per_step x rl.samples_per_prompt). Range [1, 1000000]."""
     grad_clip: float = 1.0
-    """Gradient-norm clipping; 0 = off."""
+    """Gradient-norm clipping; 0 = off. Range [0, 1000000]."""
     init_from: str | None = None
-    """HF-layout safetensors checkpoint to start from; null = the embedded model at random init."""
+    """HF-layout safetensors checkpoint to start from (a directory path); null = the embedded model at random init."""
     seed: int = 0
-    """Seed of every RNG (data order, init, sampling)."""
+    """Seed of every RNG (data order, init, sampling). Range [0, 4294967295]."""
     lr_schedule: Literal["constant", "cosine"] = "constant"
-    """After warmup: constant = stay at train.lr; cosine = decay to 0 at train.steps."""
+    """After warmup: constant = stay at train.lr; cosine = decay to 0 at train.steps (SFT)."""
     warmup_steps: int = 0
-    """Steps of linear warmup from 0 to train.lr."""
+    """Steps of linear warmup from 0 to train.lr (SFT), fewer than train.steps. Range [0, 1e8]."""
     weight_decay: float = 0.0
-    """AdamW decoupled weight decay."""
+    """AdamW decoupled weight decay. Range [0, 10]."""
     dist_timeout_s: float = 120.0
-    """Seconds a rank waits for its peers in the process group (join and collectives) before failing."""
+    """Seconds a rank waits for its peers in the process group (join and collectives) before failing.
+    Range (0, 86400]."""
     step_delay_s: float = 0.0
-    """Idle seconds per step standing in for compute (toy, sft and rl jobs), so spine tests can signal mid-run."""
+    """Idle seconds per step standing in for compute (toy, sft and rl jobs), so spine tests can signal mid-run.
+    Range [0, 3600]."""
 
     def __post_init__(self):
-        check(self.steps >= 1, "steps", "must be >= 1")
-        check(self.lr > 0, "lr", "must be > 0")
-        check(self.batch_size >= 1, "batch_size", "must be >= 1")
-        check(self.grad_clip >= 0, "grad_clip", "must be >= 0")
+        check_range(self.steps, "steps", 1, 10**8)
+        check_range(self.lr, "lr", 0, 10, low_open=True)
+        check_range(self.batch_size, "batch_size", 1, 1_000_000)
+        check_range(self.grad_clip, "grad_clip", 0, 1_000_000)
+        check_path(self.init_from, "init_from")
+        check_range(self.seed, "seed", 0, 2**32 - 1)
+        check_range(self.warmup_steps, "warmup_steps", 0, 10**8)
         check(0 <= self.warmup_steps < self.steps, "warmup_steps",
               f"must be >= 0 and less than train.steps = {self.steps}")
-        check(self.weight_decay >= 0, "weight_decay", "must be >= 0")
-        check(self.dist_timeout_s > 0, "dist_timeout_s", "must be > 0 (seconds)")
-        check(self.step_delay_s >= 0, "step_delay_s", "must be >= 0 (seconds)")
+        check_range(self.weight_decay, "weight_decay", 0, 10)
+        check_range(self.dist_timeout_s, "dist_timeout_s", 0, 86_400, low_open=True, note="seconds")
+        check_range(self.step_delay_s, "step_delay_s", 0, 3600, note="seconds")

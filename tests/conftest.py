@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
+
+# Helpers every tier shares (waiting.py's wait_for) import by their module name from this folder.
+sys.path.insert(0, str(Path(__file__).parent))
 
 try:
     import torch

@@ -1,7 +1,7 @@
 """`rlslurm diag <jobid|rundir>`: one redacted .tar.gz with everything about a run, and the likely cause.
 
     rlslurm diag runs/rl-demo            # a run directory
-    rlslurm diag 1234 --run-root runs    # a SLURM job id recorded in runs/*/{jobs,submissions}.jsonl
+    rlslurm diag 1234 --run-root runs    # a SLURM job id (or 1234+1) recorded by a run under runs/
 """
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ from pathlib import Path
 
 import click
 
+from rlslurm.cli.options import run_root_option
 from rlslurm.diag.bundle import collect
 
 
 @click.command("diag")
 @click.argument("target")
-@click.option("--run-root", type=click.Path(file_okay=False), default=None,
-              help="Where run directories live, to find a job id (default: runs/ and the current directory).")
+@run_root_option
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=".", show_default=True,
               help="Directory for the .tar.gz.")
 @click.option("--no-live", is_flag=True, help="Do not py-spy processes of the run still running on this host.")

@@ -9,22 +9,21 @@ start that begins after it (a job still pending after a requeue) ignores it as s
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import click
 
-from rlslurm.diag.bundle import find_run
+from rlslurm.cli.options import run_root_option
 from rlslurm.diag.watchdog import request_drain
-from rlslurm.events import emit
+from rlslurm.events import DRAIN_REQUESTED, emit
+from rlslurm.rundir import find_run
 
 
 @click.command("drain")
 @click.argument("target")
 @click.option("--reason", default="requested by rlslurm drain", show_default=True, help="Why (kept in the events).")
-@click.option("--run-root", type=click.Path(file_okay=False), default=None, help="Where run directories live.")
+@run_root_option
 def command(target: str, reason: str, run_root: str | None) -> None:
     """Request a drain of TARGET (a run directory or SLURM job id)."""
-    run, job_id = find_run(target, Path(run_root) if run_root else None)
+    run, job_id = find_run(target, run_root)
     path = request_drain(run, reason)
-    emit(run, "drain_requested", role="cli", rank=None, reason=reason, job_id=job_id, file=str(path))
+    emit(run, DRAIN_REQUESTED, role="cli", rank=None, reason=reason, job_id=job_id, file=str(path))
     click.echo(f"drain requested: {path} ({reason})")

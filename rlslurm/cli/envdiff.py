@@ -14,15 +14,16 @@ from pathlib import Path
 
 import click
 
-from rlslurm.diag.bundle import find_run
+from rlslurm.cli.options import run_root_option
 from rlslurm.diag.env_diff import compare, read_fingerprints
 from rlslurm.errors import RunDirError
+from rlslurm.rundir import find_run
 
 
 def _fingerprints(source: str, run_root: str | None, prefix: str) -> dict[str, dict]:
     path = Path(source)
     if not path.exists():
-        run, _ = find_run(source, Path(run_root) if run_root else None)
+        run, _ = find_run(source, run_root)
         path = run.env
     found = read_fingerprints(path, prefix=prefix)
     if not found:
@@ -35,7 +36,7 @@ def _fingerprints(source: str, run_root: str | None, prefix: str) -> dict[str, d
 @click.argument("b", required=False)
 @click.option("--sync-method", type=click.Choice(["broadcast", "disk", "ipc"]), default="broadcast",
               show_default=True, help="How weights travel train -> rollout (broadcast needs one torch/NCCL).")
-@click.option("--run-root", type=click.Path(file_okay=False), default=None, help="Where run directories live.")
+@run_root_option
 def command(a: str, b: str | None, sync_method: str, run_root: str | None) -> None:
     """Compare the env fingerprints in A (and B): within each role, and train against rollout."""
     fps = _fingerprints(a, run_root, f"{a}:" if b else "")

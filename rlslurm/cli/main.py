@@ -3,7 +3,7 @@
     rlslurm --help
     rlslurm validate examples/lecture-h20.yaml
     rlslurm plan examples/lecture-h20.yaml [--json] [--explain]
-    rlslurm submit examples/tiny-grpo.yaml [--backend local|slurm] [--wait]
+    rlslurm submit examples/tiny-grpo.yaml [--backend local|slurm] [--wait] [--dry-run]
     rlslurm resume <jobid|rundir> [--set train.steps=120] [--wait]
     rlslurm status <jobid|rundir>      rlslurm drain <jobid|rundir>
     rlslurm diag <jobid|rundir>        rlslurm envdiff A [B]

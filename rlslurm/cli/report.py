@@ -11,18 +11,18 @@ from pathlib import Path
 
 import click
 
+from rlslurm.cli.options import run_root_option
 
 @click.command("report")
 @click.argument("target")
-@click.option("--run-root", type=click.Path(file_okay=False), default=None,
-              help="Where run directories live, to find a job id (default: runs/ and the current directory).")
+@run_root_option
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Folder for report.png and report.html (default: <run>/report).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary and the files written as JSON.")
 def command(target: str, run_root: str | None, out_dir: str | None, as_json: bool) -> None:
     """Plot TARGET's (a run directory or SLURM job id) per-step metrics into a PNG and an HTML page."""
     from rlslurm.report import summary, write
-    from rlslurm.status import find_run
+    from rlslurm.rundir import find_run
 
     run, _ = find_run(target, run_root)
     files = write(run, Path(out_dir) if out_dir else None)

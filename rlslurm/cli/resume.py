@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from rlslurm.cli.options import run_root_option
 from rlslurm.cli.submit import follow_submission
 
 
@@ -13,7 +14,7 @@ from rlslurm.cli.submit import follow_submission
               help="Change a config key for the rest of the run, e.g. train.steps=120 to train on.")
 @click.option("--force", is_flag=True, help="Submit although the plan's pre-flight refuses.")
 @click.option("--backend", type=click.Choice(["slurm", "local"]), help="Default: the run's last submission's.")
-@click.option("--run-root", type=click.Path(file_okay=False), help="Where to look up a job id.")
+@run_root_option
 @click.option("--wait", is_flag=True, help="Block until the job ends, showing its progress line; exit non-zero if it failed.")
 def command(target: str, overrides: tuple[str, ...], force: bool, backend: str | None, run_root: str | None,
             wait: bool) -> None:

@@ -7,10 +7,11 @@ import json
 
 import click
 
+from rlslurm.cli.options import run_root_option
 
 @click.command("status")
 @click.argument("target")
-@click.option("--run-root", type=click.Path(file_okay=False), help="Where run directories live (for a job id).")
+@run_root_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--follow", is_flag=True, help="Then show the progress line until the job ends (through requeues); "
                                              "exit non-zero unless it finished.")

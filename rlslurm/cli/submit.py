@@ -16,11 +16,19 @@ from rlslurm.config import load_config
 @click.option("--backend", type=click.Choice(["slurm", "local"]), help="Override cluster.backend.")
 @click.option("--run-root", type=click.Path(file_okay=False), help="Override cluster.run_root.")
 @click.option("--wait", is_flag=True, help="Block until the job ends, showing its progress line; exit non-zero if it failed.")
-def command(config: str, overrides: tuple[str, ...], force: bool, backend: str | None, run_root: str | None, wait: bool) -> None:
+@click.option("--dry-run", is_flag=True,
+              help="Validate and pre-flight, then print the sbatch script (or the local launch); submit nothing.")
+def command(config: str, overrides: tuple[str, ...], force: bool, backend: str | None, run_root: str | None, wait: bool,
+            dry_run: bool) -> None:
     """Submit the job described by CONFIG and print its id and run directory."""
     from rlslurm import launch
 
+    if dry_run and wait:
+        raise click.UsageError("--dry-run submits nothing, so there is nothing to --wait for")
     job = load_config(config, overrides)
+    if dry_run:
+        click.echo(launch.dry_run(job, force=force, backend=backend, run_root=run_root), nl=False)
+        return
     sub = launch.submit(job, config_text=Path(config).read_text(), force=force, backend=backend, run_root=run_root)
     click.echo(launch.describe(sub))
     if wait:

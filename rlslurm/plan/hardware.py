@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlslurm.configfile import check
+from rlslurm.configfile import check, check_range
 
 # Vendor figures. bandwidths in decimal GB/s (TB/s x 1000), memory in decimal GB as the lecture uses.
 GPU_PROFILES: dict[str, dict[str, float]] = {
@@ -25,32 +25,34 @@ class HardwareConfig:
     profile: str = "cpu"
     """GPU model, one of GPU_PROFILES (h20-96g, h100-80g, h200-141g, a100-80g, cpu)."""
     nodes: int = 2
-    """Nodes in the cluster that this job may split between training and rollout."""
+    """Nodes in the cluster that this job may split between training and rollout. Range [1, 64] (the plan
+    tabulates every split, one row per node)."""
     gpus_per_node: int = 2
-    """Accelerators per node (on the cpu profile: worker processes per node)."""
+    """Accelerators per node (on the cpu profile: worker processes per node). Range [1, 64]."""
     hbm_gb: float | None = None
-    """Override: memory per GPU in GB; null = the profile's."""
+    """Override: memory per GPU in GB; null = the profile's. Range [0.1, 100000]."""
     hbm_bandwidth_tb_s: float | None = None
-    """Override: GPU memory bandwidth in TB/s; null = the profile's."""
+    """Override: GPU memory bandwidth in TB/s; null = the profile's. Range [0.001, 1000]."""
     pcie_gb_s: float | None = None
-    """Override: host<->GPU bandwidth in GB/s (offload); null = the profile's."""
+    """Override: host<->GPU bandwidth in GB/s (offload); null = the profile's. Range [0.01, 100000]."""
     interconnect_gb_s: float = 25.0
-    """Inter-node bandwidth per link in GB/s (RoCE/IB); used by broadcast weight sync."""
+    """Inter-node bandwidth per link in GB/s (RoCE/IB); used by broadcast weight sync. Range [0.01, 100000]."""
     fs_bandwidth_gb_s: float = 1.0
-    """Shared filesystem bandwidth in GB/s (NFS); used by disk weight sync and checkpoints."""
+    """Shared filesystem bandwidth in GB/s (NFS); used by disk weight sync and checkpoints. Range [0.001, 100000]."""
     host_ram_gb: float = 2000.0
-    """Host RAM per node in GB; bounds offload of training state."""
+    """Host RAM per node in GB; bounds offload of training state. Range [0.1, 1e7]."""
 
     def __post_init__(self):
-        check(self.profile in GPU_PROFILES, "profile",
+        check(len(self.profile) <= 64 and self.profile in GPU_PROFILES, "profile",
               f"is not a known GPU profile; known: {', '.join(GPU_PROFILES)}")
-        check(self.nodes >= 1, "nodes", "must be >= 1")
-        check(self.gpus_per_node >= 1, "gpus_per_node", "must be >= 1")
-        for name in ("hbm_gb", "hbm_bandwidth_tb_s", "pcie_gb_s"):
-            value = getattr(self, name)
-            check(value is None or value > 0, name, "must be > 0")
-        for name in ("interconnect_gb_s", "fs_bandwidth_gb_s", "host_ram_gb"):
-            check(getattr(self, name) > 0, name, "must be > 0")
+        check_range(self.nodes, "nodes", 1, 64)
+        check_range(self.gpus_per_node, "gpus_per_node", 1, 64)
+        check_range(self.hbm_gb, "hbm_gb", 0.1, 100_000, note="GB")
+        check_range(self.hbm_bandwidth_tb_s, "hbm_bandwidth_tb_s", 0.001, 1000, note="TB/s")
+        for name in ("pcie_gb_s", "interconnect_gb_s"):
+            check_range(getattr(self, name), name, 0.01, 100_000, note="GB/s")
+        check_range(self.fs_bandwidth_gb_s, "fs_bandwidth_gb_s", 0.001, 100_000, note="GB/s")
+        check_range(self.host_ram_gb, "host_ram_gb", 0.1, 10**7, note="GB")
 
     def _pick(self, name: str) -> float:
         value = getattr(self, name)

@@ -2,8 +2,10 @@
 
 `placement:` in a job YAML. Colocating without offload needs the engine (weights per TP group + KV
 cache + its own overhead) to fit in what the training peak leaves; otherwise the training state
-(resident GB) moves to host RAM during rollout and back: resident / PCIe GB/s each way, twice a step,
-and gpus_per_node x resident of host RAM per node (the lecture: 38.1 GB / 64 GB/s = 0.6 s, 304 GB).
+(resident GB) would have to move to host RAM during rollout and back: resident / PCIe GB/s each way,
+twice a step, and gpus_per_node x resident of host RAM per node (the lecture: 38.1 GB / 64 GB/s = 0.6 s,
+304 GB). rlslurm's runtime does not offload training state yet: the plan shows those figures and never
+chooses such a colocation (rlslurm/plan/options.py).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from rlslurm.configfile import check
+from rlslurm.configfile import check_range
 from rlslurm.plan.decode import KVCache
 from rlslurm.plan.hardware import HardwareConfig
 from rlslurm.plan.memory import TrainerMemory
@@ -24,18 +26,33 @@ class PlacementConfig:
     mode: Literal["auto", "colocate", "separate"] = "auto"
     """auto takes the plan's recommendation; colocate time-shares GPUs; separate gives rollout its own nodes."""
     rollout_nodes: int | None = None
-    """Nodes given to rollout when separate; null = the plan's recommendation."""
+    """Nodes given to rollout when separate (fewer than hardware.nodes); null = the plan's recommendation.
+    Range [0, 64]."""
     offload: bool = True
-    """When colocated, move training state to host RAM during rollout."""
+    """Consider colocation with the training state moved to host RAM during rollout where the engine does not
+    fit beside the training peak: the plan shows its cost, marked not runnable yet (the runtime does not
+    offload); false: such a colocation is shown as not fitting."""
     engine_overhead_gb: float = 0.5
-    """GPU memory an engine needs beyond weights and KV cache (forward activations, CUDA graphs), in GB."""
+    """GPU memory an engine needs beyond weights and KV cache (forward activations, CUDA graphs), in GB.
+    Range [0, 100000]."""
     colocate_min_seqs: int = 1
-    """Sequences of rollout.max_seq_len the KV cache must hold for colocation without offload to count."""
+    """Sequences of rollout.max_seq_len the KV cache must hold for colocation without offload to count.
+    Range [1, 1000000]."""
 
     def __post_init__(self):
-        check(self.rollout_nodes is None or self.rollout_nodes >= 0, "rollout_nodes", "must be >= 0")
-        check(self.engine_overhead_gb >= 0, "engine_overhead_gb", "must be >= 0 (GB)")
-        check(self.colocate_min_seqs >= 1, "colocate_min_seqs", "must be >= 1")
+        check_range(self.rollout_nodes, "rollout_nodes", 0, 64)
+        check_range(self.engine_overhead_gb, "engine_overhead_gb", 0, 100_000, note="GB")
+        check_range(self.colocate_min_seqs, "colocate_min_seqs", 1, 1_000_000)
+
+
+def stated_placement(pl: PlacementConfig) -> Literal["colocate", "separate"] | None:
+    """The placement the config states outright (mode colocate; mode separate, or rollout_nodes > 0);
+    None under mode auto without rollout_nodes, where the plan chooses by its numbers (plan/report.py)."""
+    if pl.mode == "colocate":
+        return "colocate"
+    if pl.mode == "separate" or (pl.rollout_nodes or 0) > 0:
+        return "separate"
+    return None
 
 
 @dataclass(frozen=True)
@@ -53,7 +70,8 @@ class Colocate:
 
     @property
     def feasible(self) -> bool:
-        """Colocation can run: training itself fits, and either the engine fits or offload does."""
+        """Colocation could run on paper: training itself fits, and either the engine fits or offload would
+        (the runtime runs only the first: rlslurm/plan/options.py)."""
         return self.train_verdict not in ("OOM", "invalid") and (self.fits_without_offload or self.host_ram_fits)
 
 

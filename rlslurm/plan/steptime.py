@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from rlslurm.configfile import check
+from rlslurm.configfile import check_range
 from rlslurm.plan.hardware import HardwareConfig
 from rlslurm.plan.quantity import Q
 from rlslurm.reward.config import RewardConfig
@@ -21,23 +21,24 @@ from rlslurm.rl.config import RLConfig
 @dataclass(frozen=True, kw_only=True)
 class TimingConfig:
     train_step_s: float = 1.0
-    """Seconds of one training step measured with `train_step_ref_gpus` training GPUs."""
+    """Seconds of one training step measured with `train_step_ref_gpus` training GPUs. Range [0.001, 1e7]."""
     train_step_ref_gpus: int | None = None
-    """GPU count at which train_step_s was measured; null = all GPUs of the cluster."""
+    """GPU count at which train_step_s was measured; null = all GPUs of the cluster. Range [1, 4096]."""
     rollout_s: float = 1.0
-    """Seconds of the rollout phase of one step (generation of all samples)."""
+    """Seconds of the rollout phase of one step (generation of all samples). Range [0, 1e7]."""
     reward_s: float | None = None
-    """Override: seconds of the reward phase; null = computed from reward.latency_s and concurrency."""
+    """Override: seconds of the reward phase; null = computed from reward.latency_s and concurrency.
+    Range [0, 1e7]."""
     total_steps: int = 100
-    """Steps the job will run; the planner amortises per-step savings over them."""
+    """Steps the job will run; the planner amortises per-step savings over them. Range [1, 1e9]."""
 
     def __post_init__(self):
-        for name in ("train_step_s", "rollout_s"):
-            check(getattr(self, name) >= 0, name, "must be >= 0 (seconds)")
-        check(self.train_step_ref_gpus is None or self.train_step_ref_gpus >= 1, "train_step_ref_gpus",
-              "must be >= 1")
-        check(self.reward_s is None or self.reward_s >= 0, "reward_s", "must be >= 0 (seconds)")
-        check(self.total_steps >= 1, "total_steps", "must be >= 1")
+        # A step of at least a millisecond: the checkpoint interval is counted in steps of this length.
+        check_range(self.train_step_s, "train_step_s", 0.001, 10**7, note="seconds")
+        check_range(self.train_step_ref_gpus, "train_step_ref_gpus", 1, 4096)
+        for name in ("rollout_s", "reward_s"):
+            check_range(getattr(self, name), name, 0, 10**7, note="seconds")
+        check_range(self.total_steps, "total_steps", 1, 10**9)
 
 
 SyncMethod = Literal["disk", "broadcast", "ipc"]
@@ -78,11 +79,16 @@ def reward_phase(rl: RLConfig, reward: RewardConfig, timing: TimingConfig) -> Re
     return RewardPhase(n, serial, concurrent, used)
 
 
-def train_step_s(timing: TimingConfig, train_gpus: int, total_gpus: int) -> Q:
-    """Training step time scaled linearly with the GPU count from the one measured (strong scaling)."""
+def train_step_s(timing: TimingConfig, train_gpus: int, total_gpus: int, recompute: Q | None = None) -> Q:
+    """Training step time scaled linearly with the GPU count from the one measured (strong scaling), and by
+    `recompute` (rlslurm/plan/recompute.py's recompute_scale) when memory.recompute is not the mode it was
+    measured under."""
     ref = timing.train_step_ref_gpus or total_gpus
-    return Q("train step", timing.train_step_s * ref / train_gpus, "s",
-             f"timing.train_step_s {timing.train_step_s:g} s x {ref} GPUs / {train_gpus} GPUs")
+    scale = recompute.value if recompute is not None else 1.0
+    how = f"timing.train_step_s {timing.train_step_s:g} s x {ref} GPUs / {train_gpus} GPUs"
+    if scale != 1.0:
+        how += f" x {recompute.how}"
+    return Q("train step", timing.train_step_s * ref / train_gpus * scale, "s", how)
 
 
 @dataclass(frozen=True)

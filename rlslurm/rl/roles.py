@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -25,6 +24,7 @@ from rlslurm.config import JobConfig
 from rlslurm.diag.env_diff import write_fingerprint
 from rlslurm.dist import free_port
 from rlslurm.errors import RlslurmError
+from rlslurm.node import node_name
 from rlslurm.rl.controller import reward_config
 from rlslurm.rl.engines import engine_args, engine_limits
 from rlslurm.rundir import RunDir
@@ -61,7 +61,7 @@ def run_engine(job: JobConfig, run_dir: str | Path) -> int:
         if time.monotonic() > deadline:
             raise RlslurmError(f"no model in {model_dir} after {job.rollout.request_timeout_s:.0f} s")
         time.sleep(0.5)
-    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    node = node_name()
     host, port = node_address(node), free_port()
     folder = run_.path / "endpoints"
     folder.mkdir(exist_ok=True)
@@ -112,7 +112,7 @@ def run_reward(job: JobConfig, run_dir: str | Path) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     run_ = RunDir(Path(run_dir))
-    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    node = node_name()
     host = node_address(node)
     with RewardSupervisor(reward_config(job), run=run_, bind=host, diag=job.diag) as sup:
         announce(run_, sup.url, node)

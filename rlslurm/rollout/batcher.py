@@ -1,6 +1,6 @@
-"""Admission and batching in front of one engine: the drain gate, the request limits, and the batcher.
+"""Admission and batching in front of one engine: the admission gate, the request limits, and the batcher.
 
-DrainGate lifecycle: serving -> drain() -> draining (new requests refused) -> drained (in-flight
+AdmissionGate lifecycle: serving -> drain() -> draining (new requests refused) -> drained (in-flight
 reached zero, bounded by timeout_s) -> resume() -> serving. The weight-sync protocol drives it.
 
 Limits: what one request may ask for (n, max_tokens, prompts, prompt tokens against the model's
@@ -33,8 +33,12 @@ from rlslurm.rollout.engine import Engine, SamplingParams
 log = logging.getLogger(__name__)
 
 
-class DrainGate:
-    """Counts requests in flight and refuses new ones while draining or drained."""
+class AdmissionGate:
+    """Counts requests in flight and refuses new ones while draining or drained.
+
+    Not the job's drain gate (diag/drain_gate.py DrainGate, "stop taking work and leave"): this one
+    closes one engine's door for the length of a weight update.
+    """
 
     def __init__(self):
         self._cond = threading.Condition()

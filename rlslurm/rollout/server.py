@@ -51,7 +51,7 @@ from starlette.concurrency import run_in_threadpool
 
 from rlslurm import secret, wire
 from rlslurm.rollout import schema
-from rlslurm.rollout.batcher import Batcher, DrainGate, Dropped, Job, Limits
+from rlslurm.rollout.batcher import AdmissionGate, Batcher, Dropped, Job, Limits
 from rlslurm.rollout.engine import Engine, HFEngine, SamplingParams, WeightLoadError
 from rlslurm.sync import disk, ipc
 from rlslurm.sync.broadcast import BroadcastGroup
@@ -72,12 +72,12 @@ def _prompts(prompt) -> list:
 
 
 class EngineServer:
-    """The server's state: engine, drain gate, batcher, and the sync bookkeeping."""
+    """The server's state: engine, admission gate, batcher, and the sync bookkeeping."""
 
     def __init__(self, engine: Engine, *, keep_previous: bool = True, limits: Limits | None = None,
                  request_timeout_s: float = 600.0, stall_timeout_s: float = 60.0, debug_stall_s: float = 0.0):
         self.engine = engine
-        self.gate = DrainGate()
+        self.gate = AdmissionGate()
         self.limits = limits or Limits(context_tokens=engine.context_tokens, vocab_size=engine.vocab_size)
         self.request_timeout_s, self.stall_timeout_s = request_timeout_s, stall_timeout_s
         self.batcher = Batcher(engine, max_batch_rows=self.limits.max_batch_rows, debug_stall_s=debug_stall_s)

@@ -1,11 +1,13 @@
 """The one seam through which rlslurm talks to SLURM: every sbatch / squeue / sacct / scontrol / scancel /
-sinfo command, and `srun --overlap` into a running job (a live stack dump on its node), goes through `run()`.
+sinfo command, and `srun --overlap` into a running job (a live stack dump on its node), goes through `run()`;
+the one long-running step, `srun --het-group=N` of a het component, through `srun_het_group()`.
 
     from rlslurm.slurm import commands
     job_id = commands.sbatch(["/runs/a b/job.sbatch"])            # -> "12"
     rows = commands.squeue([job_id])         # -> [{"JobID": "12", "HetJobOffset": "0", ...}, ...]
     commands.scancel(job_id, signal="USR1", batch=True)           # scancel -b -s USR1 12
     commands.scontrol("requeue", job_id)
+    report = commands.job_report("sacct-c", job_id)               # unchecked, raw: a diag bundle keeps it
 
 `run()` logs the command line (logger "rlslurm.slurm"), bounds it with a timeout, and raises
 `SlurmCommandError` carrying `.argv`, `.returncode` and `.stderr` when the command fails, times out or is
@@ -37,6 +39,11 @@ SQUEUE_FIELDS = ("JobID", "HetJobID", "HetJobOffset", "State", "Partition", "Nam
 leader's (3); RestartCnt is the SLURM_RESTART_COUNT the job's next start sees. A '|' in a job name breaks it."""
 
 SACCT_FIELDS = ("JobID", "JobName", "Partition", "State", "ExitCode", "NodeList", "Start", "End")
+
+JOB_REPORTS = ("scontrol-show-job", "sacct", "sacct-c")
+"""What SLURM can say of one job, newest source first: slurmctld (until MinJobAge after the end), the
+accounting database (slurmdbd), the jobcomp file (`sacct -c`, where there is no database)."""
+REPORT_SACCT_FIELDS = ("JobID", "JobName", "Partition", "State", "ExitCode", "Elapsed", "NodeList", "Start", "End")
 
 
 @dataclass(frozen=True)
@@ -110,17 +117,32 @@ def sacct(job_ids: Sequence[str], *, fields: Sequence[str] = SACCT_FIELDS, jobco
     Without slurmdbd, `sacct` exits 1 ("accounting storage is disabled"); then `sacct -c` reads the
     jobcomp/filetxt file instead, which knows only finished jobs. jobcomp=True/False forces a source.
     """
-    argv = ["sacct", "--parsable2", "--noconvert", "--format=" + ",".join(fields)]
-    for jid in job_ids:
-        argv += ["-j", jid]
     if jobcomp is not True:
-        result = run(argv, check=False, **kw)
+        result = run(_sacct_argv(job_ids, fields, jobcomp=False), check=False, **kw)
         if result.returncode == 0:
             return parse.parsable2(result.stdout)
-        if jobcomp is False or "disabled" not in result.stderr:
+        if jobcomp is False or not parse.accounting_disabled(result.stderr):
             raise _error(result.argv, result.returncode, result.stderr, f"exited {result.returncode}")
         log.debug("slurm: accounting disabled, reading jobcomp with sacct -c")
-    return parse.parsable2(run([argv[0], "-c", *argv[1:]], **kw).stdout)
+    return parse.parsable2(run(_sacct_argv(job_ids, fields, jobcomp=True), **kw).stdout)
+
+
+def _sacct_argv(job_ids: Sequence[str], fields: Sequence[str], *, jobcomp: bool) -> list[str]:
+    argv = ["sacct", *(["-c"] if jobcomp else []), "--parsable2", "--noconvert", "--format=" + ",".join(fields)]
+    for jid in job_ids:
+        argv += ["-j", str(jid)]
+    return argv
+
+
+def job_report(kind: str, job_id: str, **kw) -> CommandResult:
+    """One of SLURM's reports on a job (`kind` in JOB_REPORTS), unchecked and unparsed: the evidence a diag
+    bundle keeps as SLURM printed it, error included (a job gone from slurmctld, accounting disabled).
+    `parse.job_state(parse.scontrol_show(...))` / `parse.job_state(parse.parsable2(...))` read it."""
+    if kind == "scontrol-show-job":
+        return run(["scontrol", "show", "job", str(job_id)], check=False, **kw)
+    if kind not in JOB_REPORTS:
+        raise ValueError(f"unknown job report {kind!r}; one of {JOB_REPORTS}")
+    return run(_sacct_argv([job_id], REPORT_SACCT_FIELDS, jobcomp=kind == "sacct-c"), check=False, **kw)
 
 
 def scontrol(*args: str, **kw) -> str:
@@ -131,6 +153,11 @@ def scontrol(*args: str, **kw) -> str:
 def show_job(job_id: str, **kw) -> list[dict[str, str]]:
     """`scontrol show job -o ID` parsed: one record per het component (one for a plain job)."""
     return parse.scontrol_show(scontrol("show", "job", "-o", str(job_id), **kw))
+
+
+def node_states(**kw) -> dict[str, str]:
+    """node -> state (`idle`, `alloc`, `down`, ...) of every node, from `sinfo --Node`."""
+    return parse.sinfo_node_states(run(["sinfo", "--Node", "--noheader", "--format=%N|%t"], **kw).stdout)
 
 
 def show_node(node: str, **kw) -> list[dict[str, str]]:
@@ -164,3 +191,20 @@ def srun_overlap(job_id: str, argv: Sequence[str], *, node: str, het_group: int 
     group = [f"--het-group={het_group}"] if het_group is not None else []
     return run(["srun", f"--jobid={job_id}", *group, "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}",
                 "--quiet", *argv], check=False, **kw)
+
+
+def srun_het_group(group: int, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
+                   output: str | None = None, srun_args: Sequence[str] = ()) -> subprocess.Popen:
+    """Start `srun --het-group=G --unbuffered --kill-on-bad-exit=1 [SRUN_ARGS] [--output O] ARGV` from inside a
+    het job and return at once: the step that runs component G's tasks for as long as they run (its
+    owner waits on or stops the Popen; rlslurm/slurm/hetjob.py ComponentStep). `env` is the whole
+    environment of the step. SlurmCommandError when srun cannot be started."""
+    cmd = ["srun", f"--het-group={group}", "--unbuffered", "--kill-on-bad-exit=1", *srun_args]
+    if output is not None:
+        cmd += ["--output", str(output)]
+    cmd = [str(a) for a in (*cmd, *argv)]
+    log.info("slurm: %s", shlex.join(cmd))
+    try:
+        return subprocess.Popen(cmd, env=dict(env) if env is not None else None)
+    except OSError as e:
+        raise _error(cmd, None, "", f"cannot run: {e}") from e

@@ -127,7 +127,7 @@ class HetSlurmJob(submitit_slurm.SlurmJob[core.R]):
     watcher = HetInfoWatcher(delay_s=60)
 
     def cancel(self, check: bool = True) -> None:
-        commands.run(["scancel", self.job_id], check=check)
+        commands.scancel(self.job_id, check=check)
 
 
 def job_states(leader_ids: tp.Sequence[str]) -> dict[str, dict[str, str]]:
@@ -215,6 +215,23 @@ class HetSlurmExecutor(submitit_slurm.SlurmExecutor):
         return parse.sbatch_parsable(string.decode() if isinstance(string, bytes) else string).job_id
 
 
+class ScriptRenderer(HetSlurmExecutor):
+    """The executor of a submission that is only shown (`rlslurm submit --dry-run`): same script, no sbatch,
+    and it renders where srun is missing too (a login node or laptop without SLURM)."""
+
+    @classmethod
+    def affinity(cls) -> int:
+        return 1
+
+    def _submit_command(self, command: str) -> core.Job[tp.Any]:
+        raise RlslurmError("a dry run submits nothing")
+
+
+def submission_script(executor: HetSlurmExecutor) -> str:
+    """The sbatch script `executor.submit` would hand to sbatch (its submitit command included)."""
+    return executor._make_submission_file_text(executor._submitit_command_str, "dry-run")
+
+
 @dataclass(frozen=True)
 class ComponentInfo:
     """One component as the batch shell sees it."""
@@ -258,6 +275,14 @@ def components_from_env(env: tp.Mapping[str, str]) -> tuple[ComponentInfo, ...]:
         out.append(ComponentInfo(g, get("JOB_ID"), get("JOB_PARTITION"), nodelist,
                                  tuple(parse.expand_nodelist(nodelist)), int(get("NTASKS"))))
     return tuple(out)
+
+
+def component_job_id(env: tp.Mapping[str, str] | None = None) -> str | None:
+    """SLURM's own id of this task's component (13 for component 1 of het job 12); SLURM_JOB_ID outside a
+    het job; None off SLURM. Not SLURM_JOB_ID alone: a component's step that component 0 starts sees the
+    leader's there (measured on 22.05), its own id only in SLURM_JOB_ID_HET_GROUP_<group>."""
+    env = os.environ if env is None else env
+    return env.get(f"SLURM_JOB_ID_HET_GROUP_{env.get(GROUP_ENV, '0')}") or env.get("SLURM_JOB_ID")
 
 
 def context(env: tp.Mapping[str, str] | None = None) -> HetContext:
@@ -325,13 +350,11 @@ def launch_component(group: int, argv: tp.Sequence[str], *, env: tp.Mapping[str,
     comps = components_from_env(os.environ)
     if group >= len(comps):
         raise RlslurmError(f"het job {comps[0].job_id} has {len(comps)} components; no component {group}")
-    cmd = ["srun", f"--het-group={group}", "--unbuffered", "--kill-on-bad-exit=1", *srun_args]
-    if output is not None:
-        cmd += ["--output", str(output)]
-    cmd += list(argv)
     full_env = {**os.environ, **(env or {}), GROUP_ENV: str(group)}
-    log.info("het group %d (%s, %s): %s", group, comps[group].partition, comps[group].nodelist, shlex.join(cmd))
-    return ComponentStep(group, argv, subprocess.Popen(cmd, env=full_env), job_id=comps[group].job_id)
+    log.info("het group %d (%s, %s): %s", group, comps[group].partition, comps[group].nodelist, shlex.join(argv))
+    proc = commands.srun_het_group(group, argv, env=full_env, output=None if output is None else str(output),
+                                   srun_args=srun_args)
+    return ComponentStep(group, argv, proc, job_id=comps[group].job_id)
 
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "sbatch" / "hetjob.sbatch.template"

@@ -163,12 +163,7 @@ class LocalCluster:
                                 + self.log_tails())
 
     def node_states(self) -> dict[str, str]:
-        out = commands.run(["sinfo", "--Node", "--noheader", "--format=%N|%t"], env=self.env, timeout_s=5).stdout
-        states: dict[str, str] = {}
-        for ln in out.split():
-            name, _, state = ln.partition("|")
-            states[name] = state.rstrip("*~#")
-        return states
+        return commands.node_states(env=self.env, timeout_s=5)
 
     def kick(self) -> None:
         """Make the scheduler look again. On an idle test cluster a requeued het job sits pending

@@ -7,6 +7,9 @@
     sbatch_parsable("7;cluster\\n")          -> SbatchId(job_id="7", cluster="cluster")
     jobcomp_line("JobId=7 ... JobState=COMPLETED ...") -> {"JobId": "7", ...}
     split_job_id("7+1")                     -> ("7", 1)
+    job_state(records)                      -> "TIMEOUT" (of scontrol_show / parsable2 / jobcomp_line records)
+    sinfo_node_states("n1|idle\nn3|down*\n") -> {"n1": "idle", "n3": "down"}
+    accounting_disabled(sacct_stderr)       -> True where sacct has no database (then `sacct -c`)
 
 Anything these do not understand raises `SlurmParseError` quoting the input, never a guess. Tests:
 tests/unit/test_slurm_parse.py (tables of real outputs from the local cluster and SLURM's docs).
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from rlslurm.errors import SlurmParseError
 
@@ -187,3 +190,36 @@ def split_job_id(text: str) -> tuple[str, int | None]:
     if not m:
         raise SlurmParseError(f"not a job id: {text!r}")
     return m.group(1), (int(m.group(2)) if m.group(2) is not None else None)
+
+
+def job_state(records: Sequence[Mapping[str, str]]) -> str | None:
+    """A job's state from its first record (a het job's component 0): `JobState` of `scontrol show job` and
+    jobcomp, `State` of sacct, whose first word it is (`CANCELLED by 0` -> CANCELLED). None when there is no
+    record or the state is blank (`sacct -c` shifts the fields of a job name with a space)."""
+    if not records:
+        return None
+    words = (records[0].get("JobState") or records[0].get("State") or "").split()
+    return words[0] if words else None
+
+
+def accounting_disabled(sacct_stderr: str) -> bool:
+    """Whether sacct failed for want of an accounting database (`sacct -c` reads the jobcomp file instead)."""
+    return "accounting storage is disabled" in sacct_stderr
+
+
+_NODE_STATE_FLAGS = "*~#!%$@^-"
+"""Suffixes `sinfo %t` adds to a node's state (man sinfo, NODE STATE CODES): * not responding, ~ powered
+off, # powering up, ! pending power down, % powering down, $ maintenance, @ pending reboot, ^ rebooting,
+- planned."""
+
+
+def sinfo_node_states(text: str) -> dict[str, str]:
+    """node -> state of `sinfo --Node --noheader --format=%N|%t` (a node in two partitions is listed twice;
+    its state is the same), the state without its flag suffixes."""
+    states: dict[str, str] = {}
+    for ln in text.split():
+        name, sep, state = ln.partition("|")
+        if not sep or not name or not state:
+            raise SlurmParseError(f"sinfo line is not NODE|STATE: {ln!r}")
+        states[name] = state.rstrip(_NODE_STATE_FLAGS)
+    return states

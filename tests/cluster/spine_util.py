@@ -20,6 +20,7 @@ from rlslurm.config import load_config
 from rlslurm.events import read_events
 from rlslurm.rundir import RunDir, read_jsonl
 from rlslurm.slurm import commands, hetjob
+from waiting import wait_for
 
 log = logging.getLogger("tests.cluster.spine")
 
@@ -99,23 +100,6 @@ def cleanup(timeout_s: float = 30.0) -> list[str]:
     return done
 
 
-def wait_for(what: str, cond: Callable[[], object], timeout_s: float, *, on_poll: Callable[[], None] | None = None,
-             poll_s: float = 0.1) -> float:
-    """Poll `cond` until truthy, at most timeout_s; `on_poll` runs about once a second (a scheduler kick).
-    Returns the seconds waited."""
-    start = time.monotonic()
-    last_hook = start
-    log.info("waiting up to %.0f s for %s", timeout_s, what)
-    while time.monotonic() - start < timeout_s:
-        if cond():
-            return time.monotonic() - start
-        if on_poll is not None and time.monotonic() - last_hook >= 1.0:
-            on_poll()
-            last_hook = time.monotonic()
-        time.sleep(poll_s)
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-
-
 def state(job_id: str) -> str | None:
     """SLURM state of component 0 of the het job (RUNNING, PENDING, COMPLETED, ...)."""
     return hetjob.job_states([job_id]).get(job_id, {}).get("State")
@@ -127,8 +111,9 @@ def events(run: Path, kind: str | None = None) -> list[dict]:
 
 def wait_done(job_id: str, run: Path, timeout_s: float, kick: Callable[[], None]) -> float:
     """Until the run's `done` event and SLURM's COMPLETED, kicking the idle scheduler for requeued jobs."""
-    took = wait_for(f"job {job_id} ({run.name}) to finish", lambda: events(run, "done"), timeout_s,
-                    on_poll=kick, poll_s=0.25)
+    started = time.monotonic()
+    wait_for(f"job {job_id} ({run.name}) to finish", lambda: events(run, "done"), timeout_s, on_poll=kick, poll_s=0.25)
+    took = time.monotonic() - started
     wait_for(f"job {job_id} COMPLETED in SLURM", lambda: state(job_id) == "COMPLETED", 30, poll_s=0.25)
     return took
 

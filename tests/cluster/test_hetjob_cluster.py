@@ -17,25 +17,12 @@ import pytest
 
 from rlslurm.slurm import commands, hetjob
 from rlslurm.slurm.hetjob import Component, HetSlurmExecutor, render_template
+from waiting import wait_for
 
 pytestmark = pytest.mark.cluster
 
 # The job's python cannot import this test module: ship its functions by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
-
-def wait_for(what: str, cond, timeout_s: float, on_poll=None, poll_s: float = 0.1):
-    """Poll `cond` until true, at most timeout_s; `on_poll` runs each second (e.g. a scheduler kick)."""
-    start = time.monotonic()
-    last_hook = start
-    while time.monotonic() - start < timeout_s:
-        if cond():
-            return time.monotonic() - start
-        if on_poll and time.monotonic() - last_hook >= 1.0:
-            on_poll()
-            last_hook = time.monotonic()
-        time.sleep(poll_s)
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
 def record_components(out_dir: str) -> hetjob.HetContext:
@@ -64,7 +51,9 @@ def test_het_components_land_on_their_partitions(slurm_cluster, tmp_path):
                          additional_parameters={"requeue": True})
     t0 = time.monotonic()
     job = ex.submit(record_components, str(out))
-    first_s = wait_for("component 0 to start", lambda: (out / "g0-r0").exists(), 60)
+    submitted = time.monotonic()
+    wait_for("component 0 to start", lambda: (out / "g0-r0").exists(), 60)
+    first_s = time.monotonic() - submitted
     wait_for("components 1 and 2", lambda: len(list(out.glob("g[12]-r*"))) == 3, 60)
 
     records = commands.show_job(job.job_id)
@@ -163,3 +152,22 @@ def test_command_error_carries_command_exit_code_and_stderr(slurm_cluster):
     assert err.argv == ("scontrol", "show", "job", "-o", "999999") and err.returncode == 1
     assert "Invalid job id" in err.stderr and "scontrol show job -o 999999" in str(err)
     assert commands.squeue(["999999"]) == []  # squeue's "Invalid job id" is an empty answer, not an error
+
+
+def test_diag_keeps_slurms_reports_of_a_failed_het_job_and_reads_its_state(slurm_cluster, tmp_path):
+    """The diag bundle's SLURM section (commands.job_report, parse.job_state) on a real failed het job."""
+    from rlslurm.diag.bundle import slurm_facts
+
+    script = tmp_path / "fails.sbatch"
+    script.write_text("#!/bin/bash\n#SBATCH -p train -n 1 -J fails\n#SBATCH hetjob\n#SBATCH -p rollout -n 1\n"
+                      f"#SBATCH -o {tmp_path}/fails-%j.out\nsrun --het-group=0,1 true\nexit 3\n")
+    job_id = commands.sbatch([str(script)])
+    wait_for(f"job {job_id} FAILED", lambda: hetjob.job_states([job_id]).get(job_id, {}).get("State") == "FAILED", 60)
+    texts, state = slurm_facts(job_id)
+    assert state == "FAILED", texts
+    assert texts["scontrol-show-job.txt"].startswith(f"$ scontrol show job {job_id}\n# exit 0\n"), texts
+    assert "Reason=NonZeroExitCode" in texts["scontrol-show-job.txt"] and "ExitCode=3:0" in texts["scontrol-show-job.txt"]
+    assert "# exit 1\n" in texts["sacct.txt"] and "accounting storage is disabled" in texts["sacct.txt"], texts
+    assert texts["sacct-c.txt"].startswith("$ sacct -c --parsable2"), texts
+    missing, none = slurm_facts("999999")  # unknown to every source: evidence, not an exception
+    assert none is None and "Invalid job id" in missing["scontrol-show-job.txt"]

@@ -25,7 +25,7 @@ from click.testing import CliRunner
 from rlslurm import launch
 from rlslurm.checkpoint import latest_complete, step_dirname
 from rlslurm.cli.main import cli
-from rlslurm.rundir import RunDir, read_jsonl
+from rlslurm.rundir import RunDir, find_run, read_jsonl
 from rlslurm.slurm import commands
 from rlslurm.status import follow
 import spine_util as su
@@ -100,6 +100,20 @@ def test_het_job_lands_on_train_and_rollout_and_status_shows_it(slurm_cluster, r
     assert f"last complete checkpoint: {step_dirname(STEPS)}" in out
     assert f"progress: step {STEPS}/{STEPS} 100% | loss " in out and out.count("| done\n") == 1
     assert " done train-0 " in out
+
+
+def test_every_spelling_of_the_het_job_finds_its_run(slurm_cluster, reference):
+    """One run lookup (rundir.find_run) on a real het job: the leader's id, `leader+1` as squeue prints
+    component 1, component 1's own SLURM id (its task recorded it in placement.jsonl) and the directory
+    all name the run, and every answer carries the leader's id."""
+    job_id = read_jsonl(reference / "submissions.jsonl")[0]["job_id"]
+    (rollout,) = [p for p in su.placements(reference) if p["role"] == "rollout"]
+    own = {r["HetJobOffset"]: r["JobId"] for r in commands.show_job(job_id)}["1"]
+    assert rollout["slurm_job_id"] == own != job_id, rollout
+    for target in (job_id, f"{job_id}+1", own, str(reference)):
+        assert find_run(target, reference.parent) == (RunDir(reference), job_id), target
+    result = CliRunner().invoke(cli, ["status", own, "--run-root", str(reference.parent)], catch_exceptions=False)
+    assert result.exit_code == 0 and f"job: {job_id} (slurm)" in result.output, result.output
 
 
 def test_usr1_drains_all_ranks_at_one_step_requeues_and_resumes_exactly(slurm_cluster, reference, tmp_path):

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from procs import wait_for
 from rollout_fixtures import save_model, start_engine, tiny_llama, weights
+from waiting import wait_for
 
 from rlslurm.rollout.engine import HFEngine
 from rlslurm.rollout.server import EngineServer, build_app

@@ -23,8 +23,9 @@ import pytest
 
 from rlslurm.diag.config import DiagConfig
 from rlslurm.diag.heartbeat import read_heartbeats
-from rlslurm.diag.watchdog import HANG_EXIT_CODE, Watchdog
+from rlslurm.diag.watchdog import Watchdog
 from rlslurm.events import read_events
+from rlslurm.lifecycle import ExitCode
 from rlslurm.rundir import RunDir
 
 TIMEOUT_S = 3.0
@@ -109,7 +110,7 @@ def test_stalled_data_phase_is_detected_dumped_and_requeued(run):
         t.start()
         t.join(TIMEOUT_S + 25)
         assert not t.is_alive(), "watchdog did not act"
-        assert box["code"] == HANG_EXIT_CODE
+        assert box["code"] == ExitCode.HANG_DETECTED
 
         (hang,) = read_events(run, "hang_detected")
         assert hang["t"] - stalled_at <= TIMEOUT_S + 5, hang["t"] - stalled_at
@@ -185,7 +186,7 @@ def test_toy_entrance_spinning_rank_is_caught_by_its_own_guard_and_both_ranks_ar
     try:
         agent = subprocess.run([sys.executable, "-m", "rlslurm.diag.watchdog", "--run-dir", str(run.path),
                                 "--parent-pid", "0"], capture_output=True, text=True, timeout=TIMEOUT_S + 90)
-        assert agent.returncode == HANG_EXIT_CODE, agent.stdout + agent.stderr
+        assert agent.returncode == ExitCode.HANG_DETECTED, agent.stdout + agent.stderr
         (fault,) = read_events(run, "fault_injected")
         (hang,) = read_events(run, "hang_detected")
         assert hang["t"] - fault["t"] <= TIMEOUT_S + 5

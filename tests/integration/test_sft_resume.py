@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from procs import wait_for as poll_for
 from rlslurm.checkpoint import latest_complete, step_dirname
 from rlslurm.events import read_events
 from rlslurm.lifecycle import NOT_UNDER_SLURM, ExitCode
 from rlslurm.rundir import RunDir, read_jsonl
+from waiting import wait_for as poll_for
 
 WORLD = 2
 STEPS = 80

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from procs import wait_for
 from rlslurm.checkpoint import latest_complete
 from rlslurm.events import read_events
 from rlslurm.lifecycle import ExitCode
 from rlslurm.rundir import RunDir, read_jsonl
+from waiting import wait_for
 
 STEPS = 30
 
@@ -74,7 +74,7 @@ def reference(tmp_path_factory) -> RunDir:
 def test_sigusr1_drains_all_ranks_at_one_step_and_resume_is_exact(tmp_path, reference):
     run = RunDir(tmp_path / "run")
     procs = launch(run.path, "--steps", str(STEPS), "--interval-steps", "10", "--step-delay-s", "0.1")
-    wait_for("step 7 in metrics.jsonl", lambda: max(losses(run), default=0) >= 7)
+    wait_for("step 7 in metrics.jsonl", lambda: max(losses(run), default=0) >= 7, poll_s=0.02)
     signalled = time.monotonic()
     procs[1].send_signal(signal.SIGUSR1)  # only rank 1: rank 0 must learn it through the all_reduce
     codes = wait_all(procs)
@@ -107,7 +107,7 @@ def test_sigkill_while_writing_resumes_from_previous_complete(tmp_path, referenc
     procs = launch(run.path, "--steps", str(STEPS), "--interval-steps", "10",
                    env={"RLSLURM_TEST_PAUSE_IN_CHECKPOINT_S": "60@20"})
     tmp = wait_for("a half-written step-20 checkpoint", lambda: [
-        p for p in run.checkpoints.glob(".tmp-step-00000020-*") if (p / "model.safetensors").is_file()])
+        p for p in run.checkpoints.glob(".tmp-step-00000020-*") if (p / "model.safetensors").is_file()], poll_s=0.02)
     procs[0].send_signal(signal.SIGKILL)  # the writer dies between its first file and its manifest
     procs[0].wait(timeout=30)
     try:

@@ -16,7 +16,7 @@ SURFACE = {
     "resume": ["--backend", "--force", "--run-root", "--set", "--wait"],
     "plan": ["--explain", "--json", "--set"],
     "status": ["--follow", "--json", "--run-root"],
-    "submit": ["--backend", "--force", "--run-root", "--set", "--wait"],
+    "submit": ["--backend", "--dry-run", "--force", "--run-root", "--set", "--wait"],
     "validate": ["--print", "--set"],
 }
 

@@ -80,10 +80,13 @@ def test_missing_file_is_a_config_error(tmp_path: Path):
         load_config(tmp_path / "nope.yaml")
 
 
-def test_empty_file_gives_all_defaults(tmp_path: Path):
+@pytest.mark.parametrize("text", ["", "# only a comment\n", "{}\n", "---\n...\n"])
+def test_empty_file_holds_no_job(tmp_path: Path, text: str):
+    # Was: an empty file gave a job of all defaults (issue 15: "an empty file accepted as a job").
     path = tmp_path / "job.yaml"
-    path.write_text("")
-    assert load_config(path) == JobConfig()
+    path.write_text(text)
+    with pytest.raises(ConfigError, match="holds no job: the file is empty"):
+        load_config(path)
 
 
 def test_resolved_config_round_trips(tmp_path: Path):

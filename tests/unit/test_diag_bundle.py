@@ -71,7 +71,7 @@ def test_classifier_names_the_cause(facts, kind, words):
 
 def test_only_the_current_attempt_decides_earlier_ones_are_evidence():
     events = [{"kind": "hang_detected", "message": "old hang", "collective": "all_reduce"},
-              {"kind": "resume", "step": 40}, {"kind": "finished"}]
+              {"kind": "resume", "step": 40}, {"kind": "done", "step": 50}]
     (cause,) = classify(_facts(events=events))
     assert cause.kind == "finished" and "earlier attempt: hang_detected old hang" in cause.evidence
 
@@ -79,3 +79,20 @@ def test_only_the_current_attempt_decides_earlier_ones_are_evidence():
 def test_slurm_state_is_read_from_scontrol_and_sacct():
     assert _state_of("scontrol-show-job.txt", "JobId=12 JobName=x\n   JobState=TIMEOUT Reason=TimeLimit") == "TIMEOUT"
     assert _state_of("sacct.txt", "JobID|State|ExitCode\n12|CANCELLED by 0|0:15\n") == "CANCELLED"
+
+
+def test_a_local_runs_job_id_is_not_asked_of_slurm(tmp_path):
+    import tarfile
+
+    from rlslurm.diag.bundle import collect
+    from rlslurm.rundir import RunDir
+
+    run = RunDir(tmp_path / "local-run").create()
+    run.config.write_text("job: {name: x}\n")
+    run.append_json(run.path / "submissions.jsonl", {"t": 1.0, "job_id": "4242", "backend": "local"})
+    bundle = collect(run.path, out_dir=tmp_path, live=False)  # slurm=True: it must see this is no SLURM job
+    with tarfile.open(bundle.path) as tar:
+        names = [n for n in tar.getnames() if "/slurm/" in n]
+        text = tar.extractfile(names[0]).read().decode()
+    assert [n.split("/", 1)[1] for n in names] == ["slurm/slurm.txt"] and "a local run" in text
+    assert "job: local (no SLURM job id)" in bundle.summary

@@ -91,7 +91,10 @@ def test_checkpoint_every_77_steps(plan):
 
 def test_three_rollout_nodes_are_refused(plan):
     job = plan.job
-    forced = dataclasses.replace(job, placement=dataclasses.replace(job.placement, mode="separate", rollout_nodes=3))
+    # One engine per rollout node: rollout.engines must be a multiple of placement.rollout_nodes (the layout
+    # would start 3 engines for rollout.engines = 1 and use one).
+    forced = dataclasses.replace(job, placement=dataclasses.replace(job.placement, mode="separate", rollout_nodes=3),
+                                 rollout=dataclasses.replace(job.rollout, engines=3))
     problems = preflight(build_plan(forced))
     assert len(problems) == 1 and "16 training GPUs: trainer OOM, peak 101.5 GB > 96 GB" in problems[0]
 

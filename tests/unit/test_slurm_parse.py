@@ -13,7 +13,7 @@ import pytest
 
 from rlslurm.errors import SlurmParseError
 from rlslurm.slurm import parse
-from rlslurm.slurm.hetjob import components_from_env, context
+from rlslurm.slurm.hetjob import component_job_id, components_from_env, context
 
 OUT = Path(__file__).parent / "slurm_outputs"
 
@@ -105,6 +105,42 @@ def test_jobcomp_lines():
         parse.jobcomp_line("UserId=root(0) Name=x")
 
 
+
+def test_job_state_of_every_report_of_a_failed_het_job():
+    # real: the three reports `rlslurm diag` keeps of a het job whose batch script exited 3
+    shown = parse.scontrol_show((OUT / "scontrol_show_job_het_failed.txt").read_text())
+    assert [r["JobState"] for r in shown] == ["FAILED", "FAILED"] and shown[0]["ExitCode"] == "3:0"
+    assert parse.job_state(shown) == "FAILED"
+    rows = parse.parsable2((OUT / "sacct_c_report_failed.txt").read_text())
+    assert parse.job_state(rows) == "FAILED" and rows[0]["Elapsed"] == "00:00:00"
+    assert parse.job_state([parse.jobcomp_line(ln) for ln in (OUT / "jobcomp_filetxt.txt").read_text().splitlines()]) \
+        == "COMPLETED"
+
+
+@pytest.mark.parametrize("records, state", [
+    ([{"JobID": "12", "State": "CANCELLED by 0"}], "CANCELLED"),  # docs: sacct names who cancelled
+    ([{"JobId": "7", "JobState": "TIMEOUT"}], "TIMEOUT"),
+    ([], None),                                                  # scontrol: no jobs in the system
+    ([{"JobID": "3", "State": ""}], None),                       # real: sacct -c's shifted row (sacct_c_parsable2.txt)
+])
+def test_job_state(records, state):
+    assert parse.job_state(records) == state
+
+
+def test_accounting_disabled_is_read_from_sacct_stderr():
+    assert parse.accounting_disabled((OUT / "sacct_accounting_disabled.stderr.txt").read_text())  # real
+    assert not parse.accounting_disabled("sacct: error: Invalid job id specified")
+
+
+def test_sinfo_node_states():
+    # real: every node listed once per partition it is in (urgent holds all five)
+    states = parse.sinfo_node_states((OUT / "sinfo_node_states.txt").read_text())
+    assert states == {"n1": "alloc", "n2": "alloc", "n3": "alloc", "n4": "idle", "n5": "idle"}
+    # docs (man sinfo, NODE STATE CODES): a flag suffix is not part of the state
+    assert parse.sinfo_node_states("n1|down*\nn2|idle~\nn3|mix#\n") == {"n1": "down", "n2": "idle", "n3": "mix"}
+    with pytest.raises(SlurmParseError, match="NODE|STATE"):
+        parse.sinfo_node_states("n1 idle\n")
+
 SQUEUE_FIELDS = ("JobID", "State", "Partition", "Name", "NodeList", "NumTasks", "RestartCnt", "Reason")
 
 
@@ -165,6 +201,14 @@ def test_context_in_component_1_step():
            "SLURMD_NODENAME": "n3", "SLURM_RESTART_COUNT": "2"}
     ctx = context(env)
     assert (ctx.leader_job_id, ctx.group, ctx.rank, ctx.world, ctx.node, ctx.restart_count) == ("1", 1, 0, 1, "n3", 2)
+
+
+def test_component_job_id_is_the_components_own_not_the_inherited_leaders():
+    # real: a step of component 1 started from component 0 sees SLURM_JOB_ID = the leader's (1), its own is 2
+    env = _real_batch_env()
+    assert component_job_id({**env, "RLSLURM_HET_GROUP": "1"}) == "2"
+    assert component_job_id(env) == "1"
+    assert component_job_id({"SLURM_JOB_ID": "7"}) == "7" and component_job_id({}) is None
 
 
 def test_context_outside_het_job_is_an_error():

@@ -11,9 +11,9 @@ import time
 import httpx
 import psutil
 import pytest
-from procs import wait_for
 from rollout_fixtures import save_model, tiny_llama
 from vllm_fixtures import start_vllm
+from waiting import wait_for
 
 from rlslurm.secret import bearer
 

@@ -1,15 +1,15 @@
-"""The engine's drain gate, the DRAIN stage's engine side: refuses new requests at once, waits for
+"""The engine's admission gate, the DRAIN stage's engine side: refuses new requests at once, waits for
 in-flight ones, gives up at its bound (still refusing), and serves again only after resume."""
 
 from __future__ import annotations
 
 import threading
 
-from rlslurm.rollout.batcher import DrainGate
+from rlslurm.rollout.batcher import AdmissionGate
 
 
 def test_drain_waits_for_in_flight_and_is_bounded():
-    gate = DrainGate()
+    gate = AdmissionGate()
     assert gate.enter() and gate.enter()
     assert gate.drain(timeout_s=0.05) is False  # two still in flight: the bound holds
     assert gate.state == "draining" and not gate.enter()
@@ -32,6 +32,6 @@ def test_drain_waits_for_in_flight_and_is_bounded():
 
 
 def test_draining_an_idle_gate_is_immediate_and_idempotent():
-    gate = DrainGate()
+    gate = AdmissionGate()
     assert gate.drain(timeout_s=0) and gate.drain(timeout_s=0)
     assert gate.state == "drained"
