@@ -4,7 +4,9 @@
     scored = await scorer.score(Item(id="0", prompt="12+7=", response="19", reference="19"))
 
 rule   the final answer (\\boxed{..}, "answer is ..", "#### ..", else the last number) against the
-       reference, numbers compared as exact fractions after normalisation ("1,000" == "1000.0").
+       reference, numbers compared as exact fractions after normalisation ("1,000" == "1000.0"). A number
+       of more than MAX_NUMBER_DIGITS digits or an exponent past MAX_EXPONENT is compared as text: exact
+       arithmetic on "1e999999999" would hold the CPU for minutes. Scored off the event loop.
 code   the response's code (its first ```python block, else all of it) followed by the item's unit
        tests, run once in the sandbox: 1.0 when the program exits 0.
 model  POST {endpoint} {"prompt", "response"} -> {"score": x} (a reward-model server).
@@ -16,6 +18,7 @@ A scorer raises ScorerUnavailable when its upstream (RM, judge) fails: the item 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 from dataclasses import dataclass, field
@@ -73,13 +76,25 @@ def extract_answer(response: str) -> str | None:
     return numbers[-1] if numbers else None
 
 
+MAX_NUMBER_DIGITS = 400
+"""Digits a number may have to be compared as a number (a fraction counts both parts)."""
+MAX_EXPONENT = 400
+"""Largest |exponent| of a number compared as a number: 10**400 is instant, 10**(10**9) takes minutes."""
+_EXPONENT = re.compile(r"[eE]([-+]?\d+)")
+
+
 def normalise_number(text: str) -> Fraction | None:
-    """`text` as an exact number ("1,000", " -3.50 ", "$12", "1/2", "50%", "1e3"), or None."""
+    """`text` as an exact number ("1,000", " -3.50 ", "$12", "1/2", "50%", "1e3"), or None; None too for
+    one too large to handle in bounded time (MAX_NUMBER_DIGITS, MAX_EXPONENT)."""
     s = "".join(text.split()).rstrip(".").removeprefix("$").replace("\\$", "")
     percent = s.endswith("%")
     s = s.removesuffix("%")
     if re.fullmatch(r"[-+]?\d{1,3}(,\d{3})+(\.\d+)?", s):
         s = s.replace(",", "")
+    exponent = _EXPONENT.search(s)
+    # Digits first: they bound the exponent's own digits too, so int() of it is cheap.
+    if sum(c.isdigit() for c in s) > MAX_NUMBER_DIGITS or (exponent and abs(int(exponent.group(1))) > MAX_EXPONENT):
+        return None
     try:
         value = Fraction(s)
     except (ValueError, ZeroDivisionError):
@@ -99,7 +114,13 @@ def rule_score(response: str, reference: str, format_regex: str | None = None) -
         same = got == want
     else:
         same = "".join(answer.split()).lower() == "".join(reference.split()).lower()
-    return Scored(1.0 if same else 0.0, f"answer {answer!r} {'==' if same else '!='} reference {reference!r}")
+    return Scored(1.0 if same else 0.0, f"answer {_short(answer)} {'==' if same else '!='} reference "
+                                        f"{_short(reference)}")
+
+
+def _short(text: str, chars: int = 80) -> str:
+    """repr of `text`, cut to about `chars` characters: a reason must not echo a whole response."""
+    return repr(text) if len(text) <= chars else repr(text[:chars]) + f"... ({len(text)} chars)"
 
 
 @dataclass
@@ -107,7 +128,9 @@ class RuleScorer:
     format_regex: str | None = None
 
     async def score(self, item: Item) -> Scored:
-        return rule_score(item.response, item.reference, self.format_regex)
+        # Regexes and number parsing are CPU work: in a thread, so the service's event loop (and /health)
+        # keep answering; their inputs are bounded (reward.max_item_bytes, MAX_NUMBER_DIGITS, MAX_EXPONENT).
+        return await asyncio.to_thread(rule_score, item.response, item.reference, self.format_regex)
 
 
 # ---------------------------------------------------------------- code
@@ -146,11 +169,11 @@ class ShardedHttp:
     scan short while the shards together still hold `connections` requests in flight.
     """
 
-    def __init__(self, connections: int, timeout_s: float, per_shard: int = 8):
+    def __init__(self, connections: int, timeout_s: float, per_shard: int = 8, headers: dict[str, str] | None = None):
         shards = max(1, -(-connections // per_shard))
         size = -(-connections // shards)
         limits = httpx.Limits(max_connections=size, max_keepalive_connections=size)
-        self.shards = [httpx.AsyncClient(timeout=timeout_s, limits=limits) for _ in range(shards)]
+        self.shards = [httpx.AsyncClient(timeout=timeout_s, limits=limits, headers=headers) for _ in range(shards)]
         self._next = 0
 
     async def post(self, url: str, **kw) -> httpx.Response:

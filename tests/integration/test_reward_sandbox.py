@@ -12,6 +12,7 @@ import pytest
 
 from rlslurm.reward.config import RewardConfig, SandboxConfig
 from rlslurm.reward.supervisor import RewardSupervisor
+from rlslurm.secret import bearer
 
 SANDBOX = SandboxConfig(cpu_s=1, wall_s=3.0, mem_mb=256, nproc=16, output_kb=16)
 
@@ -46,7 +47,7 @@ def test_hostile_programs_are_contained(service, tmp_path):
     listener.settimeout(0.2)
     tmp_path.chmod(0o777)  # writable by anyone on the host: only the sandbox may stop the write
     target = str(tmp_path / "escaped.txt")
-    http = httpx.Client(base_url=service.url, timeout=120)
+    http = httpx.Client(base_url=service.url, timeout=120, headers=bearer(service.token))
     pid_before = http.get("/health").json()["pid"]
     programs = hostile_programs(listener.getsockname()[1], target, pid_before)
     items = [{"id": name, "response": f"```python\n{code}```", "tests": "print('tests ran')"}
