@@ -8,7 +8,8 @@ rule   the final answer (\\boxed{..}, "answer is ..", "#### ..", else the last n
        of more than MAX_NUMBER_DIGITS digits or an exponent past MAX_EXPONENT is compared as text: exact
        arithmetic on "1e999999999" would hold the CPU for minutes. Scored off the event loop.
 code   the response's code (its first ```python block, else all of it) followed by the item's unit
-       tests, run once in the sandbox: 1.0 when the program exits 0.
+       tests, run once in the sandbox: 1.0 when the tests ran to their end (exit 0 and, after them, a token
+       the program never saw: an early exit(0) is no pass).
 model  POST {endpoint} {"prompt", "response"} -> {"score": x} (a reward-model server).
 judge  an OpenAI-compatible chat endpoint with the rubric as system prompt; its reply must carry
        `SCORE: x`. A reply without one is a parse failure: counted, and the item comes back unscored.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import secrets
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Protocol
@@ -151,11 +153,36 @@ class CodeScorer:
     """Executions by sandbox status, for /metrics."""
 
     async def score(self, item: Item) -> Scored:
-        result = await self.sandbox.execute(extract_code(item.response) + "\n\n" + item.tests + "\n")
+        # Exit 0 alone is no proof: a program that calls os._exit(0) (or sys.exit(0)) before the tests run
+        # would pass. The tests pass only when the runner, after the tests, prints a token that never
+        # appears in the program's text (it comes on stdin and lives in the runner's frame).
+        token = secrets.token_hex(16)
+        source = extract_code(item.response) + "\n\n" + item.tests + "\n"
+        result = await self.sandbox.execute(_CODE_RUNNER, stdin=f"{token}\n{source}".encode())
         self.outcomes[result.status] = self.outcomes.get(result.status, 0) + 1
-        if result.passed:
+        if result.passed and result.stdout.rstrip().endswith(token.encode()):
             return Scored(1.0, "tests passed")
+        if result.passed:
+            return Scored(0.0, "exited before the tests finished (exit 0 without the runner's token)")
         return Scored(0.0, f"{result.status}: {result.reason}")
+
+
+_CODE_RUNNER = """\
+import sys
+
+
+def _run():
+    token = sys.stdin.readline().strip()
+    source = sys.stdin.read()
+    exec(compile(source, "solution.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+    sys.stdout.flush()
+    sys.stdout.write("\\n" + token + "\\n")
+
+
+_run()
+"""
+"""The program the sandbox runs for the code scorer: the response and its tests come on stdin after a
+one-line token, and the token is printed only once they returned."""
 
 
 # ---------------------------------------------------------------- model and judge
