@@ -83,7 +83,10 @@ def choose_fusions(*, on_gpu: bool) -> list[Fusion]:
     chosen += [Fusion(flag, False, reason) for flag, reason in _KEPT_OFF.items()]
     for fusion in chosen:
         if not fusion.on:
-            log.info("megatron fusion %s off: %s", fusion.flag, fusion.reason)
+            # A kernel missing on a GPU costs speed and must reach the job's log: a trainer rank sets no log
+            # level, so only WARNING and above reach its stderr. Without a GPU, or kept off by choice: expected.
+            level = logging.WARNING if on_gpu and fusion.flag in _KERNELS else logging.INFO
+            log.log(level, "megatron fusion %s off: %s", fusion.flag, fusion.reason)
     return chosen
 
 

@@ -2,7 +2,7 @@
 the embedded model on Megatron-core, GRPO from its HF export as the engine loads it, a drain mid-RL, and the
 resume that continues it; the same guarantees the torch backend's tests hold it to.
 
-    python -m pytest -q -s tests/integration/test_megatron_job.py     # ~2-4 min on 2 cores; -s prints the figures
+    python -m pytest -q -s tests/integration/test_megatron_job.py     # ~5 min on 2 shared cores; -s prints the figures
 
 - SFT: the Megatron trainer starts from the torch trainer's weights and learns its loss (the session's torch
   SFT of examples/tiny-sft.yaml, tests/integration/conftest.py): the first steps' losses agree to float

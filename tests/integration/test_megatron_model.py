@@ -186,6 +186,8 @@ def test_fusions_are_on_only_where_their_kernels_import_and_each_disabled_one_sa
     for fusion in on_gpu.values():  # every flag rlslurm sets, each off one logged with its reason
         if not fusion.on:
             assert f"megatron fusion {fusion.flag} off: {fusion.reason}" in caplog.text
+    # On a GPU a missing kernel is a WARNING: the only level a trainer rank's stderr shows
+    assert [r.levelname for r in caplog.records if "masked_softmax_fusion off" in r.getMessage()] == ["WARNING"]
     assert {"masked_softmax_fusion", "gradient_accumulation_fusion", "apply_rope_fusion",
             "bias_activation_fusion"} <= set(on_gpu)
     # Where the kernels import (Megatron-LM's fused_kernels built on a GPU box), the fusion is on.
