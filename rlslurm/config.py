@@ -9,6 +9,7 @@
     task        rlslurm/tasks/config.py           reward     rlslurm/reward/config.py
     sync        rlslurm/sync/config.py            checkpoint rlslurm/checkpoint.py
     diag        diag/config.py (rlslurm.diag.config)
+    network     rlslurm/network.py
 
 Checks between sections live in `JobConfig.__post_init__` and name every key involved.
 """
@@ -26,6 +27,7 @@ from rlslurm.configfile import FieldError, check, check_name, load_mapping, read
 from rlslurm.diag.config import DiagConfig
 from rlslurm.errors import ConfigError
 from rlslurm.modelspec import ModelConfig
+from rlslurm.network import NetworkConfig
 from rlslurm.plan.hardware import HardwareConfig
 from rlslurm.plan.memory import MemoryConfig
 from rlslurm.plan.parallel import ParallelConfig, static_rules, world_rules
@@ -87,6 +89,8 @@ class JobConfig:
     """Checkpoint interval and retention."""
     diag: DiagConfig = field(default_factory=DiagConfig)
     """Operations kit: heartbeats, watchdog, stacks."""
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    """The NCCL / Gloo environment of every process: trainer ranks, engines, reward service."""
 
     def __post_init__(self):
         hw, pl = self.hardware, self.placement

@@ -15,6 +15,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from rlslurm.network import network_env
 from rlslurm.plan.checkpoint_interval import young_interval_s
 from rlslurm.plan.quantity import Q, num, params
 
@@ -78,7 +79,7 @@ def _sections(plan: Plan, problems: list[str], explain: bool) -> list[Any]:
     out.append(_memory_table(plan))
     lines = [f"recommendation: {plan.advice}",
              f"chosen: {plan.placement}, {plan.chosen.rollout_nodes} rollout node(s), {plan.chosen.train_gpus} "
-             f"training GPUs (placement.mode = {job.placement.mode})"]
+             f"training GPUs (placement.mode = {job.placement.mode})", plan.gpus.text(), _network_line(job)]
     if plan.fused_ce_what_if is not None:
         f = plan.fused_ce_what_if
         lines.append(f"  with memory.fused_ce: true the peak would be {f.peak.text()} = "
@@ -147,6 +148,14 @@ def _sections(plan: Plan, problems: list[str], explain: bool) -> list[Any]:
     return out
 
 
+def _network_line(job) -> str:
+    env = network_env(job.network)
+    if not env:
+        return "network environment: none set (network:), each library's defaults"
+    return ("network environment of every trainer rank, engine and the reward service: "
+            + " ".join(f"{k}={v}" for k, v in env.items()))
+
+
 def text(plan: Plan, problems: list[str], explain: bool) -> str:
     buffer = io.StringIO()
     console = Console(file=buffer, width=WIDTH, color_system=None, force_terminal=False, highlight=False,
@@ -193,6 +202,8 @@ def as_json(plan: Plan, problems: list[str]) -> str:
                    "train_gpus": plan.chosen.train_gpus, "sync_method": plan.sync_method,
                    **({"fused_ce_peak_gb": round(plan.fused_ce_what_if.peak.value, 4)}
                       if plan.fused_ce_what_if is not None else {})},
+        "gpus": plan.gpus.as_dict(),
+        "network_env": network_env(job.network),
         "colocate": {"fits_without_offload": colo.fits_without_offload, "host_ram_fits": colo.host_ram_fits,
                      **_qs(colo.free_gb, colo.engine_need_gb, colo.offload_each_way_s, colo.offload_per_step_s,
                            colo.host_ram_per_node_gb)},

@@ -19,6 +19,7 @@ from rlslurm.modelspec import ParamCounts, param_counts
 from rlslurm.plan.checkpoint_interval import Interval, checkpoint_interval
 from rlslurm.plan.decode import (KVCache, RolloutCapacity, capacity, kv_cache, roofline, roofline_by_profile,
                                  weights_gb)
+from rlslurm.plan.gpus import GpuPlan, gpu_plan
 from rlslurm.plan.memory import TrainerMemory, trainer_memory
 from rlslurm.plan.parallel import Rule, static_rules
 from rlslurm.plan.placement import Colocate, colocate, stated_placement
@@ -57,6 +58,11 @@ class Plan:
     checkpoint_cap_s: float
     rl_step_s: Q
     warnings: list[str]
+
+    @property
+    def gpus(self) -> GpuPlan:
+        """GPUs per node and per task under the chosen placement (rlslurm/plan/gpus.py)."""
+        return gpu_plan(self.job, self.placement, self.chosen.rollout_nodes)
 
     @property
     def chosen_step(self) -> StepSplit:
@@ -176,6 +182,7 @@ def preflight(plan: Plan) -> list[str]:
                         "rank 0 and share its GPU, and NCCL refuses two ranks of one group on one GPU ('Duplicate "
                         "GPU detected'); set sync.method: ipc (the same GPU's memory, no copy) or disk, or "
                         "placement.mode: separate")
+    problems += list(plan.gpus.problems)
     if plan.rollout is not None and plan.rollout.seqs_per_engine.value < 1:
         problems.append(f"rollout: one engine's KV space {plan.rollout.kv_space_per_gpu.text()} per GPU holds no "
                         f"sequence of rollout.max_seq_len = {plan.job.rollout.max_seq_len}")

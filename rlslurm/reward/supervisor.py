@@ -15,7 +15,8 @@ it gives up (event `reward_service_gave_up`) and `failed` is set. `stop()` asks 
 
 With a run directory the service wears the phase guard (heartbeats/reward-0.json, see service.py);
 `bind` = 0.0.0.0 serves other nodes (the reward het component), while `url` stays loopback for the
-supervisor's own health checks.
+supervisor's own health checks. `env` is added to the service's environment at every (re)start: the
+job's network environment (rlslurm/network.py) and no GPU.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Callable
 
@@ -57,8 +59,9 @@ class RewardSupervisor:
 
     def __init__(self, cfg: RewardConfig, run: RunDir | None = None, log_dir: str | Path | None = None,
                  clock: Callable[[], float] = time.monotonic, bind: str = "127.0.0.1",
-                 diag: DiagConfig | None = None):
+                 diag: DiagConfig | None = None, env: Mapping[str, str] | None = None):
         self.cfg = cfg
+        self.env = dict(env or {})
         self.run = run
         self.clock = clock
         self.bind = bind
@@ -121,7 +124,8 @@ class RewardSupervisor:
                 "--config", str(self._config)]
         if self.run is not None:
             argv += ["--run-dir", str(self.run.path)]
-        self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env={**os.environ, **self.env})
         out.close()
         deadline = self.clock() + self.cfg.start_timeout_s
         log.info("waiting up to %.0f s for the reward service (pid %d) on %s", self.cfg.start_timeout_s,

@@ -25,7 +25,7 @@ from rlslurm.diag.env_diff import write_fingerprint
 from rlslurm.dist import free_port
 from rlslurm.errors import RlslurmError
 from rlslurm.node import node_name
-from rlslurm.rl.controller import reward_config
+from rlslurm.rl.controller import reward_config, reward_env
 from rlslurm.rl.engines import engine_args
 from rlslurm.rundir import RunDir
 
@@ -113,7 +113,7 @@ def run_reward(job: JobConfig, run_dir: str | Path) -> int:
     node = node_name()
     host = node_address(node)
     bind = "127.0.0.1" if host.startswith("127.") else "0.0.0.0"
-    with RewardSupervisor(reward_config(job), run=run_, bind=bind, diag=job.diag) as sup:
+    with RewardSupervisor(reward_config(job), run=run_, bind=bind, diag=job.diag, env=reward_env(job)) as sup:
         announce(run_, f"http://{host}:{sup.port}", node)
         log.info("reward service on %s:%d (bound to %s), supervised", host, sup.port, bind)
         while not stop.wait(1.0):

@@ -78,7 +78,9 @@ class Component:
     mem_gb: float | None = None
     """Memory per node in GB; None = the partition's default."""
     gres: str | None = None
-    """GRES per node, e.g. gpu:8."""
+    """GRES per node other than GPUs, e.g. nvme:1."""
+    gpus_per_node: int | None = None
+    """GPUs per node (--gpus-per-node); None = none."""
     extra: dict[str, str | bool] = field(default_factory=dict)
     """Further sbatch options of this component, e.g. {"constraint": "h100"} (True = a bare flag)."""
 
@@ -97,6 +99,8 @@ class Component:
             opts["mem"] = submitit_slurm._convert_mem(self.mem_gb)
         if self.gres:
             opts["gres"] = self.gres
+        if self.gpus_per_node:
+            opts["gpus-per-node"] = self.gpus_per_node
         if time_min is not None:  # each component has its own limit; the same for all keeps them together
             opts["time"] = time_min
         opts.update(self.extra)
