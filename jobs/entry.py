@@ -203,7 +203,9 @@ def main(run_dir: str, role: str) -> None:
     run = RunDir(Path(run_dir))
     os.environ[ENV_VAR] = str(run.path)
     os.environ["RLSLURM_ROLE"] = role
-    os.environ.setdefault("RLSLURM_RANK", os.environ.get("SLURM_PROCID", "0"))
+    # Its rank in its component; not setdefault: srun passed on trainer rank 0's RLSLURM_RANK=0 to every task,
+    # and two engines of one node then wrote one env fingerprint and one placement rank.
+    os.environ["RLSLURM_RANK"] = os.environ.get("SLURM_PROCID", "0")
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(name)s: %(message)s")
     _record_placement(run, role, int(os.environ.get("SLURM_LOCALID", "0")))
     job = load_config(run.config)
