@@ -100,11 +100,17 @@ def checked_plan(job: JobConfig, force: bool = False):
     return plan, problems
 
 
-def prepare(job: JobConfig, *, config_text: str, force: bool = False, run_root: str | Path | None = None):
-    """Plan, pre-flight and a new run directory holding the config and the plan. Nothing is submitted."""
+def prepare(job: JobConfig, *, config_text: str, force: bool = False, run_root: str | Path | None = None,
+            backend: str | None = None):
+    """Plan, pre-flight and a new run directory holding the config and the plan. Nothing is submitted.
+    `backend` local: the machine must have the GPUs the layout asks (PreflightError before any directory)."""
     from rlslurm.plan.report import render_json
 
     plan, problems = checked_plan(job, force)
+    if backend == "local":
+        from rlslurm.devices import local_gpu_ids
+
+        local_gpu_ids(JobLayout.decide(job, plan, "local"))
     run = new_run_dir(job, run_root)
     run.config.write_text(yaml.safe_dump(to_dict(job), sort_keys=False))
     (run.path / "config.submitted.yaml").write_text(config_text)
@@ -117,8 +123,9 @@ def prepare(job: JobConfig, *, config_text: str, force: bool = False, run_root: 
 def submit(job: JobConfig, *, config_text: str, force: bool = False, backend: str | None = None,
            run_root: str | Path | None = None) -> Submission:
     """Validate -> plan -> pre-flight -> run directory -> submit; returns the job id and run directory."""
-    run, plan = prepare(job, config_text=config_text, force=force, run_root=run_root)
-    return _launch(job, run, plan, resolve_backend(job, backend))
+    chosen = resolve_backend(job, backend)
+    run, plan = prepare(job, config_text=config_text, force=force, run_root=run_root, backend=chosen)
+    return _launch(job, run, plan, chosen)
 
 
 def _launch(job: JobConfig, run: RunDir, plan, backend: str, **record) -> Submission:
