@@ -29,7 +29,7 @@ from rlslurm.diag.drain_gate import DrainGate
 from rlslurm.diag.guard import PhaseGuard
 from rlslurm.diag.heartbeat import HeartbeatWriter
 from rlslurm.diag.watchdog import Watchdog
-from rlslurm.events import read_events
+from rlslurm.events import HANG_DETECTED, read_events
 from rlslurm.rundir import RunDir
 
 
@@ -123,7 +123,7 @@ def hang_latency(root: Path) -> tuple[float, float]:
             dog.poll()
             dump_s = time.time() - t0
             time.sleep(0.25)
-        (event,) = read_events(run, "hang_detected")
+        (event,) = read_events(run, HANG_DETECTED)
         return event["t"] - stalled_at, dump_s
     finally:
         p.kill()

@@ -76,7 +76,7 @@ def _one_job(trigger: str, repeats: int, folder: Path, kick, log) -> list[dict]:
     from rlslurm import launch
     from rlslurm.config import load_config
     from rlslurm.diag.watchdog import request_drain
-    from rlslurm.events import read_events
+    from rlslurm.events import DONE, FIRST_STEP, read_events
     from rlslurm.rundir import RunDir, read_jsonl
     from rlslurm.slurm import commands
 
@@ -94,7 +94,7 @@ def _one_job(trigger: str, repeats: int, folder: Path, kick, log) -> list[dict]:
             else:
                 request_drain(run, "bench_requeue")
             first = _wait(f"job {sub.job_id} to train again after {trigger} #{k}",
-                          lambda: [e for e in read_events(run, "first_step") if e["t"] > fired_at],
+                          lambda: [e for e in read_events(run, FIRST_STEP) if e["t"] > fired_at],
                           JOB_TIMEOUT_S, kick)[0]
             started = min(p["t"] for p in read_jsonl(run.path / "placement.jsonl")
                           if p["role"] == "train" and p["restart_count"] == k)
@@ -103,7 +103,7 @@ def _one_job(trigger: str, repeats: int, folder: Path, kick, log) -> list[dict]:
             log(f"  {trigger} #{k} (job {sub.job_id}): training again after {row['total_s']:.2f} s "
                 f"(SLURM {row['slurm_s']:.2f} s, start -> first step {row['ours_s']:.2f} s)")
             out.append(row)
-        _wait(f"job {sub.job_id} to finish", lambda: read_events(run, "done"), JOB_TIMEOUT_S, kick)
+        _wait(f"job {sub.job_id} to finish", lambda: read_events(run, DONE), JOB_TIMEOUT_S, kick)
     finally:
         state = commands.show_job(sub.job_id)[0].get("JobState")
         if state not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):

@@ -5,7 +5,8 @@
 
 `run` submits with `rlslurm submit CONFIG --backend local --wait` (this interpreter, bounded by
 --timeout-s), then does what `report` does. The report reads only the run directory:
-  - every weight sync's VERIFY from events.jsonl (`sync_verified`, `sync_failed`, `sync_verify_mismatch`):
+  - every weight sync's VERIFY from events.jsonl (`sync_verified`; `sync_failed`, `sync_verify_mismatch`,
+    `sync_verify_failed`):
     the first sync (the engines take the starting policy) and one per step;
   - its transport and update GB/s (`sync_update_gbps`, bytes over the UPDATE stage's seconds), and
     whether it went over NCCL (the broadcast transport on a CUDA machine: the `env` fingerprints say);
@@ -25,6 +26,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from rlslurm import events as ev
 
 
 @dataclass
@@ -96,22 +99,22 @@ def summarize(run_dir: str | Path, *, install_s: float | None = None, run_s: flo
     """What the smoke test checks, read from a finished run directory."""
     run = Path(run_dir)
     config = _yaml(run / "config.yaml")
-    metrics, events = _jsonl(run / "metrics.jsonl"), _jsonl(run / "events.jsonl")
+    metrics, said = _jsonl(run / "metrics.jsonl"), _jsonl(run / "events.jsonl")
     plan = json.loads((run / "plan.json").read_text()) if (run / "plan.json").is_file() else {}
     steps_wanted = int((config.get("train") or {}).get("steps", 0))
     s = Summary(run_dir=str(run), steps_wanted=steps_wanted,
                 steps_done=max((m.get("step", 0) for m in metrics), default=0),
-                done=any(e.get("kind") == "done" for e in events), install_s=install_s, run_s=run_s)
-    for e in events:
-        kind = e.get("kind")
-        if kind == "sync_verified":
+                done=bool(ev.select(said, ev.DONE)), install_s=install_s, run_s=run_s)
+    for e in said:
+        kind = ev.kind_of(e)
+        if kind == ev.SYNC_VERIFIED:
             s.syncs.append(SyncRecord(version=int(e.get("version", -1)), transport=str(e.get("transport")),
                                       verified=True, attempts=int(e.get("sync_attempts", 1)),
                                       update_gbps=float(e.get("sync_update_gbps", 0.0)),
                                       update_bytes=int(e.get("sync_update_bytes", 0)),
                                       update_s=float(e.get("sync_update_s", 0.0))))
-        elif kind in ("sync_failed", "sync_verify_mismatch"):
-            s.sync_failures.append(f"{kind} version {e.get('version')}: "
+        elif kind in (ev.SYNC_FAILED, ev.SYNC_VERIFY_MISMATCH, ev.SYNC_VERIFY_FAILED):
+            s.sync_failures.append(f"{kind.name} version {e.get('version')}: "
                                    f"{e.get('reason') or e.get('mismatches') or e.get('stage')}")
     s.nccl = any(x.transport == "broadcast" for x in s.syncs) and _on_cuda(run)
     s.predicted_peak_gb, s.predicted_terms = _predicted(plan)

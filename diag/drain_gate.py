@@ -106,7 +106,7 @@ class DrainGate:
         if self._reason is not None and not self._announced:
             self._announced = True
             if self.run is not None:
-                events.emit(self.run, "drain_requested", reason=self._reason, signal=self.signal_name,
+                events.emit(self.run, events.DRAIN_REQUESTED, reason=self._reason, signal=self.signal_name,
                             kill_wait_left_s=self.kill_wait_left_s())
         return self._reason is not None
 
@@ -120,7 +120,7 @@ class DrainGate:
             self.request(f"control file {path}")
         elif self._stale_seen != mtime:
             self._stale_seen = mtime
-            events.emit(self.run, "drain_request_stale", file=str(path),
+            events.emit(self.run, events.DRAIN_REQUEST_STALE, file=str(path),
                         reason=f"written {self.not_before + STALE_MARGIN_S - mtime:.1f} s before this process "
                                f"started: a request to an earlier start of the job; ignored")
 

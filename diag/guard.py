@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterator
 from rlslurm.diag.config import DiagConfig
 from rlslurm.diag.heartbeat import HeartbeatWriter
 from rlslurm.diag.stack_dump import FAULTHANDLER_SIGNAL, register_faulthandler
-from rlslurm.events import emit
+from rlslurm.events import PHASE_FAILED, emit
 from rlslurm.node import node_name
 from rlslurm.rundir import RunDir
 
@@ -107,7 +107,7 @@ class PhaseGuard:
         except AttributeError:
             pass
         tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-        emit(self.run, "phase_failed", role=self.role, rank=self.rank, phase=name, step=step,
+        emit(self.run, PHASE_FAILED, role=self.role, rank=self.rank, phase=name, step=step,
              error=f"{type(e).__name__}: {e}", traceback=tb)
         self.heartbeat.update(progress=False, state="failed", error=f"{type(e).__name__}: {e}", force=True)
 

@@ -4,13 +4,17 @@
     causes = classify(facts)          # most likely first; causes[0].headline is what diag prints
 
 Rules are tried in an order that puts a root cause before its symptoms: an OOM or a hang also leaves a
-Python traceback or a killed rank behind, a preemption leaves a SIGTERM, so those come first and the
-generic "Python exception" late. Only the events of the current attempt count (after the last `start`
-or `resume` event of rlslurm.lifecycle); earlier attempts are listed as evidence.
+Python traceback or a killed rank behind, a preemption leaves a SIGTERM, a dead engine or reward service
+fails the controller's step, so those come first and the generic "Python exception" late. Only the
+events of the current attempt count (after the last `start` or `resume` event of rlslurm.lifecycle);
+earlier attempts are listed as evidence.
 
-Event kinds read: hang_detected (diag/watchdog.py), phase_failed (diag/guard.py), sync_failed /
-sync_verify_failed, engine_crashed / engine_died / rollout_failed, reward_down / reward_failed /
-reward_service_down, preempted, oom, preflight_failed, finished / done / job_finished, start / resume.
+Event kinds read (declared in rlslurm/events.py, emitted where the failure happens): env_diff (the
+controller's check before the first sync), phase_failed (diag/guard.py), hang_detected (diag/watchdog.py),
+sync_verify_failed / sync_failed (rlslurm/sync/protocol.py), engine_failed (the controller's engine
+calls), reward_service_down (rlslurm/reward/supervisor.py), done / sft_finished, start / resume. SLURM's
+state and the log tails cover what no process lives to say (OOM kill, node failure, time limit,
+preemption). tests/data/diag/ holds a recorded run of each cause (tests/unit/test_diag_recorded.py).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from rlslurm import events as ev
 from rlslurm.diag.heartbeat import label, pid_alive
 from rlslurm.node import node_name
 
@@ -35,6 +40,8 @@ class Facts:
     env_errors: list[str] = field(default_factory=list)
     now: float = field(default_factory=time.time)
     host: str = field(default_factory=node_name)
+    pid_alive: Callable[[dict], bool] = pid_alive
+    """Whether a heartbeat's process (on `host`) still runs; a replay of a recorded run injects what was seen."""
 
 
 @dataclass
@@ -46,7 +53,9 @@ class Cause:
     evidence: list[str] = field(default_factory=list)
 
 
-_OOM = re.compile(r"CUDA out of memory|OutOfMemoryError|oom-kill|oom_kill|Out of memory|MemoryError")
+# torch on CPU says "DefaultCPUAllocator: can't allocate memory"; on GPU OutOfMemoryError; the kernel oom-kill.
+_OOM = re.compile(r"CUDA out of memory|OutOfMemoryError|oom-kill|oom_kill|Out of memory|MemoryError|"
+                  r"can't allocate memory")
 _TRACEBACK = re.compile(r"Traceback \(most recent call last\):\n(?:.*\n)*?\S.*(?:Error|Exception|Interrupt|Exit)\b.*",
                         re.MULTILINE)
 _ENGINE = re.compile(r"EngineDeadError|EngineCore\S* (?:died|failed)|engine (?:died|crashed)", re.IGNORECASE)
@@ -54,13 +63,9 @@ _ENGINE = re.compile(r"EngineDeadError|EngineCore\S* (?:died|failed)|engine (?:d
 
 def current_attempt(events: list[dict]) -> tuple[list[dict], list[dict]]:
     """(events since the last start/resume, events before it)."""
-    starts = [i for i, e in enumerate(events) if e.get("kind") in ("start", "resume")]
+    starts = [i for i, e in enumerate(events) if ev.kind_of(e) in (ev.START, ev.RESUME)]
     cut = starts[-1] if starts else 0
     return events[cut:], events[:cut]
-
-
-def _kinds(events: list[dict], *kinds: str) -> list[dict]:
-    return [e for e in events if e.get("kind") in kinds]
 
 
 def _grep(logs: dict[str, str], pattern: re.Pattern, names: Callable[[str], bool] = lambda n: True):
@@ -79,11 +84,16 @@ def _alive(facts: Facts) -> list[dict]:
         if hb.get("state") != "running":
             continue
         if hb.get("host") == facts.host:
-            if pid_alive(hb):
+            if facts.pid_alive(hb):
                 out.append(hb)
         elif facts.now - float(hb.get("last_progress") or 0) < float(hb.get("phase_timeout_s") or 300):
             out.append(hb)
     return out
+
+
+def _said(e: dict) -> str:
+    """What an event says in words: its message, reason, cause or error, whichever it carries."""
+    return str(e.get("message") or e.get("reason") or e.get("cause") or e.get("error") or "")
 
 
 def classify(facts: Facts) -> list[Cause]:
@@ -93,44 +103,79 @@ def classify(facts: Facts) -> list[Cause]:
     alive = _alive(facts)
     causes: list[Cause] = []
 
-    if facts.env_errors or _kinds(now_events, "preflight_failed"):
-        msgs = facts.env_errors + [str(e.get("message")) for e in _kinds(now_events, "preflight_failed")]
-        causes.append(Cause("env_mismatch", f"env mismatch: {msgs[0]}", msgs[1:]))
+    refused = [e for e in ev.select(now_events, ev.ENV_DIFF) if e.get("ok") is False]
+    if facts.env_errors or refused:
+        msgs = facts.env_errors + [line.removeprefix("error: ") for e in refused
+                                   for line in str(e.get("report")).splitlines() if line.startswith("error:")]
+        causes.append(Cause("env_mismatch", f"env mismatch: {msgs[0] if msgs else 'see env-diff.txt'}", msgs[1:]))
     oom = _grep(facts.logs, _OOM)
-    if state == "OUT_OF_MEMORY" or _kinds(now_events, "oom") or (oom and not alive):
-        where = f"{oom[0]}: {oom[1].group(0)}" if oom else f"SLURM state {state or 'oom event'}"
-        causes.append(Cause("oom", f"out of memory ({where})", _tail_lines(facts.logs, oom[0]) if oom else []))
-    for e in _kinds(now_events, "hang_detected")[-1:]:
+    oom_failed = [e for e in ev.select(now_events, ev.PHASE_FAILED) if _OOM.search(str(e.get("error")))]
+    if state == "OUT_OF_MEMORY" or oom_failed or (oom and not alive):
+        if oom_failed:
+            e = oom_failed[0]
+            where = f"{e.get('role')}-{e.get('rank')} in phase {e.get('phase')} step {e.get('step')}: {e.get('error')}"
+        else:
+            where = f"{oom[0]}: {oom[1].group(0)}" if oom else f"SLURM state {state}"
+        forced = [f"submitted with --force past the plan's pre-flight: {problem}"
+                  for e in ev.select(facts.events, ev.PREFLIGHT_FORCED) for problem in e.get("problems") or []]
+        causes.append(Cause("oom", f"out of memory ({where})",
+                            forced + (_tail_lines(facts.logs, oom[0]) if oom else [])))
+    for e in ev.select(now_events, ev.HANG_DETECTED)[-1:]:
         coll = e.get("collective")
         waiting = ", ".join(e.get("waiting") or []) or "none"
         stuck = ", ".join(e.get("stuck") or []) or "none"
         head = (f"hang in collective {coll} on ranks {waiting}, waiting on {stuck}" if e.get("collective")
                 else f"hang: no progress on {stuck}")
         causes.append(Cause("hang", head, [str(e.get("message")), f"stacks: {e.get('stacks_dir')}"]))
-    for e in _kinds(now_events, "sync_failed", "sync_verify_failed")[-1:]:
-        causes.append(Cause("sync_failure", f"weight-sync failure: {e.get('message') or e.get('error')}",
-                            [str(e)]))
+    # An engine that died fails the step's rollout or the sync stage in flight: name the engine first.
+    engine = ev.select(now_events, ev.ENGINE_FAILED)
+    hit = _grep(facts.logs, _ENGINE, lambda n: "rollout" in n or "engine" in n)
+    if engine:
+        e = engine[0]
+        where = ", ".join(f"{k.replace('_', ' ')} {e[k]}" for k in ("node", "pid", "exit_code")
+                          if e.get(k) is not None)
+        causes.append(Cause("engine_crash", f"rollout engine crash: {e.get('url')}{f' ({where})' if where else ''}: "
+                            f"{e.get('cause')}",
+                            [f"engine log: {e['log']}"] if e.get("log") else []))
+    elif hit:
+        causes.append(Cause("engine_crash", f"rollout engine crash: {hit[0]}: {hit[1].group(0)}"))
+    for e in ev.select(now_events, ev.SYNC_VERIFY_FAILED)[-1:]:
+        bad = e.get("mismatches") or [{}]
+        first = bad[0]
+        at = f" at step {e['step']}" if e.get("step") is not None else ""
+        count = f"{len(bad)}{'+' if len(bad) >= 8 else ''}"  # the event keeps the first 8
+        causes.append(Cause("sync_failure", f"weight-sync VERIFY failed{at}: the sync to version {e.get('version')} "
+                            f"via {e.get('transport')} left {count} tensors differing on {e.get('engine')} after "
+                            f"{e.get('attempts')} attempts (first {first.get('name')!r}: expected "
+                            f"{first.get('expected')}, engine has {first.get('actual')})",
+                            [f"{m.get('engine')} {m.get('name')}: expected {m.get('expected')}, engine has "
+                             f"{m.get('actual')}" for m in bad] + [f"rollback: {e.get('rollback')}"]))
+    if not any(c.kind == "sync_failure" for c in causes):
+        for e in ev.select(now_events, ev.SYNC_FAILED)[-1:]:
+            stage = f" in stage {e['stage']}" if e.get("stage") else ""
+            version = f" (version {e['version']})" if e.get("version") is not None else ""
+            causes.append(Cause("sync_failure", f"weight-sync failure{stage}{version}: {_said(e)}", [str(e)]))
     if not any(c.kind == "sync_failure" for c in causes):
         hit = _grep(facts.logs, re.compile(r"SyncVerifyError.*"))
         if hit:
             causes.append(Cause("sync_failure", f"weight-sync failure ({hit[0]}: {hit[1].group(0)})"))
-    engine = _kinds(now_events, "engine_crashed", "engine_died", "rollout_failed")
-    hit = _grep(facts.logs, _ENGINE, lambda n: "rollout" in n or "engine" in n)
-    if engine or hit:
-        what = engine[-1].get("message") or engine[-1].get("error") if engine else f"{hit[0]}: {hit[1].group(0)}"
-        causes.append(Cause("engine_crash", f"rollout engine crash: {what}"))
-    reward = _kinds(now_events, "reward_down", "reward_failed", "reward_service_down")
+    reward = ev.select(now_events, ev.REWARD_SERVICE_DOWN)
     hit = _grep(facts.logs, re.compile(r"RewardServiceError.*"))
-    if reward or hit:
-        what = reward[-1].get("message") or reward[-1].get("error") if reward else f"{hit[0]}: {hit[1].group(0)}"
-        causes.append(Cause("reward_down", f"reward service down: {what}"))
+    if reward:
+        e = reward[-1]
+        causes.append(Cause("reward_down", f"reward service down: gone past its restart budget "
+                            f"({e.get('restarts')} restarts, {e.get('attempts')} tried, reward.max_restarts = "
+                            f"{e.get('max_restarts')}; last: {e.get('reason')}) on {e.get('host')}",
+                            [f"service log: {e.get('log')}"]))
+    elif hit:
+        causes.append(Cause("reward_down", f"reward service down: {hit[0]}: {hit[1].group(0)}"))
     if state == "NODE_FAIL" or _grep(facts.logs, re.compile(r"NODE_FAIL|DUE TO NODE FAILURE")):
         causes.append(Cause("node_failure", "node failure (SLURM NODE_FAIL)"))
     if state == "TIMEOUT" or _grep(facts.logs, re.compile(r"DUE TO TIME LIMIT")):
         causes.append(Cause("time_limit", "time limit reached (SLURM TIMEOUT)"))
-    if state == "PREEMPTED" or _kinds(now_events, "preempted") or _grep(facts.logs, re.compile(r"DUE TO PREEMPTION")):
+    if state == "PREEMPTED" or _grep(facts.logs, re.compile(r"DUE TO PREEMPTION")):
         causes.append(Cause("preempted", "preempted by SLURM"))
-    failed = _kinds(now_events, "phase_failed")
+    failed = ev.select(now_events, ev.PHASE_FAILED)
     if failed:
         e = failed[0]  # the first failure is the cause; later ones are usually its echo on other ranks
         causes.append(Cause("exception", f"Python exception in {e.get('role')}-{e.get('rank')} during phase "
@@ -146,13 +191,14 @@ def classify(facts: Facts) -> list[Cause]:
         phases = ", ".join(f"{label(hb)} in {hb.get('phase')}" for hb in alive)
         causes.append(Cause("running", f"still running (step {steps[-1] if steps else '?'}; {phases})"))
     exited = [hb for hb in facts.heartbeats if hb.get("state") == "exited"]
-    finished = _kinds(now_events, "finished", "done", "job_finished")
+    finished = ev.select(now_events, *ev.FINISHED)
     if not causes and (finished or state == "COMPLETED" or (exited and len(exited) == len(facts.heartbeats))):
         causes.append(Cause("finished", "finished OK" + (f" ({len(exited)} processes exited cleanly)" if exited else "")))
     if not causes:
         causes.append(Cause("unknown", f"no cause found (SLURM state {state or 'unknown'}); read the log tails"))
-    for e in _kinds(earlier, "hang_detected", "phase_failed", "preempted", "drain"):
-        causes[0].evidence.append(f"earlier attempt: {e.get('kind')} {e.get('message') or e.get('error') or ''}".rstrip())
+    for e in ev.select(earlier, ev.HANG_DETECTED, ev.PHASE_FAILED, ev.ENGINE_FAILED, ev.SYNC_VERIFY_FAILED,
+                       ev.REWARD_SERVICE_DOWN, ev.DRAINED):
+        causes[0].evidence.append(f"earlier attempt: {e.get('kind')} {_said(e)}".rstrip())
     return causes
 
 

@@ -56,7 +56,7 @@ import psutil
 from rlslurm.diag.config import DiagConfig
 from rlslurm.diag.heartbeat import label, pid_alive, read_heartbeats
 from rlslurm.diag.stack_dump import StackDump, collective_in, dump_stack, top_frame
-from rlslurm.events import emit
+from rlslurm.events import HANG_ACTION, HANG_DETECTED, emit
 from rlslurm.lifecycle import ExitCode
 from rlslurm.node import node_name
 from rlslurm.rundir import RunDir
@@ -181,7 +181,7 @@ class Watchdog:
         collective = next((collective_in(r.dump.text) for r in waiting), None)
         report = HangReport(hung, watched, stacks_dir, _message(waiting, elsewhere),
                             [r.name for r in waiting], [r.name for r in elsewhere], collective)
-        emit(self.run, "hang_detected", role="watchdog", rank=None, host=self.host,
+        emit(self.run, HANG_DETECTED, role="watchdog", rank=None, host=self.host,
              message=report.message, collective=collective, waiting=report.waiting,
              stuck=report.elsewhere, policy=self.config.hang_policy, stacks_dir=str(stacks_dir),
              ranks=[_rank_fields(r) for r in elsewhere + waiting])
@@ -208,7 +208,7 @@ class Watchdog:
         policy = self.config.hang_policy
         done: dict = {"policy": policy}
         if policy == "dump":
-            emit(self.run, "hang_action", role="watchdog", rank=None, action="dump", **done)
+            emit(self.run, HANG_ACTION, role="watchdog", rank=None, action="dump", **done)
             return
         if policy == "requeue":
             done["drain_file"] = str(request_drain(self.run, f"hang detected: {report.message}"))
@@ -223,7 +223,7 @@ class Watchdog:
         named = set(report.waiting) | set(report.elsewhere)
         wedged = report.hung + [r for r in report.watched if r.name in named and r not in report.hung]
         done["killed"] = self._kill(wedged)
-        emit(self.run, "hang_action", role="watchdog", rank=None, action=policy, **done)
+        emit(self.run, HANG_ACTION, role="watchdog", rank=None, action=policy, **done)
         log.error("hang action %s: %s", policy, done)
         self.stop()
 

@@ -69,7 +69,7 @@ def _start_components(run: RunDir, job: JobConfig) -> list:
         steps.append(hetjob.launch_component(comp.group, argv, output=str(out), env={**network_env(job.network),
                                                                                     **gpu_env},
                                              srun_args=["--open-mode=append", *srun_args]))
-        events.emit(run, "component_started", component=comp.group, component_role=role, partition=comp.partition,
+        events.emit(run, events.COMPONENT_STARTED, component=comp.group, component_role=role, partition=comp.partition,
                     nodes=list(comp.nodes), job_kind=job.job.kind, srun_args=srun_args)
     return steps
 

@@ -45,7 +45,7 @@ from rlslurm.diag.guard import PhaseGuard
 from rlslurm.dist import Topology, compute_device, init_process_group
 from rlslurm.errors import CheckpointError, ConfigError, RlslurmError
 from rlslurm.evaluate import greedy_accuracy
-from rlslurm.events import emit
+from rlslurm.events import SFT_EXPORT, SFT_FINISHED, SFT_START, emit
 from rlslurm.lifecycle import ExitCode
 from rlslurm.rundir import RunDir
 from rlslurm.tasks.arithmetic import Problem, make_splits
@@ -253,7 +253,7 @@ def _train(job: JobConfig, run: RunDir, topo: Topology, gate: DrainGate, guard: 
         return {"rank": topo.rank, "step": None, "exit_code": ExitCode.NO_PROGRESS}
     if path:
         state.load(Checkpoint.open(Path(path), verify=False), topo)  # rank 0 verified it in latest_complete
-    emit(run, "sft_start", role="trainer", rank=topo.rank, world_size=topo.world_size, steps=train.steps,
+    emit(run, SFT_START, role="trainer", rank=topo.rank, world_size=topo.world_size, steps=train.steps,
          start_step=state.step, params=sum(p.numel() for p in state.model.parameters()),
          device=str(next(state.model.parameters()).device))
     time_limit_s = job.cluster.time_limit_min * 60.0 if os.environ.get("SLURM_JOB_ID") else None
@@ -311,13 +311,13 @@ def _train(job: JobConfig, run: RunDir, topo: Topology, gate: DrainGate, guard: 
             summary.update(_export_and_evaluate(job, run, state, tokenizer, held_out, started))
         # Peers wait for the export so that no rank reports finished before the job's output exists.
         dist.barrier()
-    emit(run, "sft_finished", role="trainer", **summary)
+    emit(run, SFT_FINISHED, role="trainer", **summary)
     return {**summary, "exit_code": ExitCode.DONE}
 
 
 def _export_and_evaluate(job, run, state, tokenizer, held_out, started) -> dict:
     export = save_hf(state.model, run.path / "export" / "hf", max_new_tokens=job.rollout.max_new_tokens)
-    emit(run, "sft_export", role="trainer", rank=0, path=str(export), step=state.step)
+    emit(run, SFT_EXPORT, role="trainer", rank=0, path=str(export), step=state.step)
     result = greedy_accuracy(state.model, tokenizer, held_out, max_new_tokens=job.rollout.max_new_tokens)
     record = {"heldout_accuracy": result.accuracy, "heldout_correct": result.correct,
               "heldout_total": result.total, "export": str(export), "wall_s": time.time() - started}

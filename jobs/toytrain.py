@@ -90,7 +90,7 @@ class Faults:
     def stall(self, run: RunDir, step: int) -> None:
         if step != self.stall_step:
             return
-        events.emit(run, "fault_injected", fault="stall", step=step, mode=self.stall_mode)
+        events.emit(run, events.FAULT_INJECTED, fault="stall", step=step, mode=self.stall_mode)
         print(f"{STALL_ENV}: stalling in the data phase of step {step} ({self.stall_mode})", flush=True)
         until = time.monotonic() + 3600
         if self.stall_mode == "sleep":
@@ -276,7 +276,7 @@ def _train(run, cfg, topo, gate, guard, step_delay_s, time_limit_s, requeue) -> 
             run.append_json(run.metrics, {"t": time.time(), "step": step, "loss": loss, "restart_count": restarts})
             if first_step:
                 since = time.time() - psutil.Process().create_time()
-                events.emit(run, "first_step", step=step, since_process_start_s=round(since, 3))
+                events.emit(run, events.FIRST_STEP, step=step, since_process_start_s=round(since, 3))
         first_step = False
         if step == exit_at and topo.is_main:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -287,7 +287,7 @@ def _train(run, cfg, topo, gate, guard, step_delay_s, time_limit_s, requeue) -> 
     if topo.is_main:
         digest = weights_sha256(trainer.module)
         run.append_json(run.metrics, {"t": time.time(), "final": True, "step": step, "weights_sha256": digest})
-        events.emit(run, "done", step=step, weights_sha256=digest)
+        events.emit(run, events.DONE, step=step, weights_sha256=digest)
     return ExitCode.DONE
 
 

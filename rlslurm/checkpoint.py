@@ -205,7 +205,7 @@ class CheckpointWriter:
         _write_latest(self.run, final.name)
         size = sum(f["bytes"] for f in self._files.values())
         self.saved = SavedCheckpoint(final, self.step, self.clock() - self._started, size)
-        events.emit(self.run, "checkpoint_saved", step=self.step, checkpoint=final.name,
+        events.emit(self.run, events.CHECKPOINT_SAVED, step=self.step, checkpoint=final.name,
                     seconds=round(self.saved.seconds, 6), bytes=size)
         if self.keep is not None:
             prune(self.run, self.keep)
@@ -339,7 +339,7 @@ def latest_complete(run: RunDir, *, tidy: bool = True) -> Checkpoint | None:
         if pid is not None:
             alive = _writer_alive(pid)
             if chosen is None:
-                events.emit(run, "checkpoint_skipped", step=step, checkpoint=path.name,
+                events.emit(run, events.CHECKPOINT_SKIPPED, step=step, checkpoint=path.name,
                             reason=f"incomplete: no manifest, writer pid {pid} {'alive' if alive else 'dead'}")
             if tidy and not alive:
                 shutil.rmtree(path, ignore_errors=True)
@@ -354,7 +354,7 @@ def latest_complete(run: RunDir, *, tidy: bool = True) -> Checkpoint | None:
         if tidy:
             moved = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
             os.rename(path, moved)
-        events.emit(run, "checkpoint_skipped", step=step, checkpoint=path.name, reason=reason,
+        events.emit(run, events.CHECKPOINT_SKIPPED, step=step, checkpoint=path.name, reason=reason,
                     moved_to=moved.name)
     return chosen
 

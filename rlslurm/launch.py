@@ -116,7 +116,7 @@ def prepare(job: JobConfig, *, config_text: str, force: bool = False, run_root: 
     (run.path / "config.submitted.yaml").write_text(config_text)
     run.plan.write_text(render_json(plan))
     if problems:
-        events.emit(run, "preflight_forced", problems=problems)
+        events.emit(run, events.PREFLIGHT_FORCED, problems=problems)
     return run, plan
 
 
@@ -135,7 +135,7 @@ def _launch(job: JobConfig, run: RunDir, plan, backend: str, **record) -> Submis
     sub = _submit_slurm(job, run, lay) if backend == "slurm" else _submit_local(job, run, lay)
     run.append_json(run.path / "submissions.jsonl",
                     {"t": time.time(), "job_id": sub.job_id, "backend": backend, "layout": lay.to_dict(), **record})
-    events.emit(run, "submitted", job_id=sub.job_id, backend=backend, layout=lay.to_dict(), **record)
+    events.emit(run, events.SUBMITTED, job_id=sub.job_id, backend=backend, layout=lay.to_dict(), **record)
     return sub
 
 
@@ -167,9 +167,9 @@ def resume(target: str, *, overrides: tuple[str, ...] = (), force: bool = False,
     if overrides:
         run.config.write_text(yaml.safe_dump(to_dict(job), sort_keys=False))
         run.plan.write_text(render_json(plan))
-        events.emit(run, "config_changed", overrides=list(overrides))
+        events.emit(run, events.CONFIG_CHANGED, overrides=list(overrides))
     if problems:
-        events.emit(run, "preflight_forced", problems=problems)
+        events.emit(run, events.PREFLIGHT_FORCED, problems=problems)
     # A new series of starts: the no-progress count (lifecycle.on_start) does not reach back past it.
     run.record_start(resubmitted=True, after_job_id=previous, step=None)
     return _launch(job, run, plan, resolve_backend(job, backend or last.get("backend")), resume_of=previous)

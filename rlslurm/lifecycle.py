@@ -104,16 +104,16 @@ def on_start(run: RunDir, restart_count: int, *, step: int, checkpoint: str | No
     run.record_start(job_id=leader_job_id(e), restart_count=restart_count, host=node_name(),
                      pid=os.getpid(), step=step, checkpoint=checkpoint)
     if fruitless >= max_no_progress_restarts:
-        events.emit(run, "no_progress", step=step, checkpoint=checkpoint, restart_count=restart_count,
+        events.emit(run, events.NO_PROGRESS, step=step, checkpoint=checkpoint, restart_count=restart_count,
                     fruitless_starts=fruitless,
                     reason=f"{fruitless} starts in a row resumed from step {step} (checkpoint {checkpoint}) "
                            f"without a newer checkpoint; checkpoint.max_no_progress_restarts = "
                            f"{max_no_progress_restarts}: not requeueing again")
         return StartDecision(False, fruitless, ExitCode.NO_PROGRESS)
     if checkpoint is None:
-        events.emit(run, "start", step=step, restart_count=restart_count)
+        events.emit(run, events.START, step=step, restart_count=restart_count)
     else:
-        events.emit(run, "resume", step=step, checkpoint=checkpoint, restart_count=restart_count)
+        events.emit(run, events.RESUME, step=step, checkpoint=checkpoint, restart_count=restart_count)
     return StartDecision(True, fruitless)
 
 
@@ -150,7 +150,7 @@ def finish_drain(run: RunDir, *, step: int, reason: str | None, signal_name: str
     saved = None
     if on_sigterm and time_left_s is not None and time_left_s < cost_s * margin:
         if is_leader:
-            events.emit(run, "drain_checkpoint_skipped", step=step,
+            events.emit(run, events.DRAIN_CHECKPOINT_SKIPPED, step=step,
                         reason=f"{time_left_s:.1f} s of KillWait left < checkpoint cost {cost_s:.1f} s x {margin}: "
                                f"the restart resumes from the last periodic checkpoint")
     else:
@@ -168,9 +168,9 @@ def finish_drain(run: RunDir, *, step: int, reason: str | None, signal_name: str
             requeue(job_id)
             requeued = True
         except SlurmCommandError as err:
-            events.emit(run, "requeue_failed", step=step, job_id=job_id, error=str(err))
+            events.emit(run, events.REQUEUE_FAILED, step=step, job_id=job_id, error=str(err))
             return ExitCode.FAILED
-        events.emit(run, "requeue", step=step, job_id=job_id, reason=reason)
-    events.emit(run, "drained", step=step, reason=reason, signal=signal_name, job_id=job_id,
+        events.emit(run, events.REQUEUE, step=step, job_id=job_id, reason=reason)
+    events.emit(run, events.DRAINED, step=step, reason=reason, signal=signal_name, job_id=job_id,
                 checkpoint=saved, requeued=requeued)
     return ExitCode.DRAINED

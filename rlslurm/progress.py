@@ -19,32 +19,34 @@ import time
 from collections import defaultdict, deque
 from typing import TextIO
 
+from rlslurm import events
 from rlslurm.rundir import JsonlTail, RunDir
 
 PHASES = ("rollout", "reward", "train", "sync")
-FINISHED_EVENTS = ("done", "sft_finished")
-"""Events a job emits when it trained to the end."""
 # Events that change what a reader should know about the run, as the line's last part says them.
 NOTABLE = {
-    "resume": "resumed from {checkpoint}",
-    "experience_restored": "experience of steps {steps} restored",
-    "drain_requested": "draining: {reason}",
-    "drained": "drained at step {step}: {reason}",
-    "hang_detected": "hang detected in {phase} (step {step})",
-    "hang_action": "hang: {action}",
-    "requeue": "requeued",
-    "requeue_failed": "requeue failed: {reason}",
-    "step_abandoned": "step {step} abandoned: {reason}",
-    "sync_failed": "weight sync failed at version {version}",
-    "sync_skipped": "weight sync skipped at step {step}",
-    "reward_degraded": "step {step}: {degraded}/{total} rewards degraded",
-    "reward_service_died": "reward service died",
-    "reward_service_restarted": "reward service restarted",
-    "checkpoint_skipped": "checkpoint {checkpoint} skipped: {reason}",
-    "phase_failed": "failed in {phase}: {error}",
-    "no_progress": "stopped: no progress over restarts",
-    "done": "done",
-    "sft_finished": "done",
+    events.RESUME: "resumed from {checkpoint}",
+    events.EXPERIENCE_RESTORED: "experience of steps {steps} restored",
+    events.DRAIN_REQUESTED: "draining: {reason}",
+    events.DRAINED: "drained at step {step}: {reason}",
+    events.HANG_DETECTED: "hang detected: {message}",
+    events.HANG_ACTION: "hang: {action}",
+    events.REQUEUE: "requeued",
+    events.REQUEUE_FAILED: "requeue failed: {error}",
+    events.STEP_ABANDONED: "step {step} abandoned: {reason}",
+    events.SYNC_FAILED: "weight sync failed at version {version}",
+    events.SYNC_VERIFY_FAILED: "weight sync to version {version} failed VERIFY on {engine}",
+    events.SYNC_SKIPPED: "weight sync skipped at step {step}",
+    events.ENGINE_FAILED: "engine {url} failed: {cause}",
+    events.REWARD_DEGRADED: "step {step}: {degraded}/{total} rewards degraded",
+    events.REWARD_SERVICE_DIED: "reward service died",
+    events.REWARD_SERVICE_RESTARTED: "reward service restarted",
+    events.REWARD_SERVICE_DOWN: "reward service down after {restarts} restarts (reward.max_restarts {max_restarts})",
+    events.CHECKPOINT_SKIPPED: "checkpoint {checkpoint} skipped: {reason}",
+    events.PHASE_FAILED: "failed in {phase}: {error}",
+    events.NO_PROGRESS: "stopped: no progress over restarts",
+    events.DONE: "done",
+    events.SFT_FINISHED: "done",
 }
 
 
@@ -59,7 +61,7 @@ def _duration(seconds: float) -> str:
 
 def _event_note(event: dict) -> str:
     fields = defaultdict(lambda: "?", {k: v for k, v in event.items() if v is not None})
-    return NOTABLE[event["kind"]].format_map(fields)
+    return NOTABLE[events.kind_of(event)].format_map(fields)
 
 
 class Progress:
@@ -74,7 +76,7 @@ class Progress:
         self._rate_from: dict | None = None  # the record a `t`-difference rate is measured from
         self.evaluated: tuple[int, float] | None = None  # (step, held-out accuracy)
         self.note: str | None = None
-        self.finished = False  # the newest job emitted one of FINISHED_EVENTS: it trained to the end
+        self.finished = False  # the newest job emitted one of events.FINISHED: it trained to the end
         self.last_event: str | None = None
         self._shown: str | None = None
 
@@ -105,15 +107,16 @@ class Progress:
 
     def _event(self, event: dict) -> None:
         self.last_event = event.get("kind")
-        if event.get("kind") == "eval" and "held_out_accuracy" in event:
+        kind = events.kind_of(event)  # None for a kind declared no more (an older run directory)
+        if kind == events.EVAL and "held_out_accuracy" in event:
             self._evaluated(event, event["held_out_accuracy"])
-        if event.get("kind") in ("submitted", "start", "resume"):
+        if kind in (events.SUBMITTED, events.START, events.RESUME):
             self._restart_rate()
-        if event.get("kind") in ("submitted", *FINISHED_EVENTS):
-            self.finished = event["kind"] in FINISHED_EVENTS
-        if event.get("kind") in NOTABLE:
+        if kind in (events.SUBMITTED, *events.FINISHED):
+            self.finished = kind in events.FINISHED
+        if kind in NOTABLE:
             self.note = _event_note(event)
-        elif event.get("kind") in ("submitted", "start"):  # a new job or start: the last one's word is history
+        elif kind in (events.SUBMITTED, events.START):  # a new job or start: the last one's word is history
             self.note = None
 
     def poll(self) -> str | None:

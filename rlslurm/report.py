@@ -20,14 +20,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlslurm.errors import RunDirError
-from rlslurm.events import read_events
+from rlslurm import events
 from rlslurm.rundir import RunDir, read_jsonl
 
 PHASES = ("rollout", "reward", "train", "sync")
 PHASE_COLORS = {"rollout": "#4C72B0", "reward": "#DD8452", "train": "#55A868", "sync": "#C44E52", "idle": "#BBBBBB"}
 # Events worth a vertical line: each marks a point where the run did not simply go on.
-MARKED_EVENTS = ("resume", "requeue", "hang_detected", "sync_failed", "sync_verify_mismatch", "drained",
-                 "reward_service_died", "reward_service_restarted", "checkpoint_skipped", "no_progress")
+MARKED_EVENTS = (events.RESUME, events.REQUEUE, events.HANG_DETECTED, events.SYNC_FAILED, events.SYNC_VERIFY_MISMATCH,
+                 events.SYNC_VERIFY_FAILED, events.ENGINE_FAILED, events.DRAINED, events.REWARD_SERVICE_DIED,
+                 events.REWARD_SERVICE_RESTARTED, events.REWARD_SERVICE_DOWN, events.CHECKPOINT_SKIPPED,
+                 events.NO_PROGRESS)
 # Columns of the per-step HTML table, in order; only those a run recorded are shown.
 TABLE_COLUMNS = {
     "rl": ("step", "step_s", "rollout_s", "reward_s", "train_s", "sync_s", "idle_s", "effective_samples",
@@ -63,8 +65,8 @@ class RunMetrics:
 def load(run: RunDir) -> RunMetrics:
     """Read a run's metrics and events into a RunMetrics; raises RunDirError if neither file exists."""
     records = read_jsonl(run.metrics)
-    events = read_events(run)
-    if not records and not events:
+    said = events.read_events(run)
+    if not records and not said:
         raise RunDirError(f"{run.path} has neither metrics.jsonl nor events.jsonl: nothing to report")
     kind = _kind(records)
     by_step: dict[int, dict] = {}
@@ -79,8 +81,8 @@ def load(run: RunDir) -> RunMetrics:
             if r.get("step_s") is not None:
                 # Negative only by clock jitter; the split must still stack to step_s.
                 r["idle_s"] = max(r["step_s"] - phase_sum, 0.0)
-    data.evals = _evals(records, events, steps)
-    data.marks, data.event_counts = _marks(events, steps)
+    data.evals = _evals(records, said, steps)
+    data.marks, data.event_counts = _marks(said, steps)
     data.missing = _missing(data)
     return data
 
@@ -105,10 +107,10 @@ def _is_step_record(r: dict, kind: str) -> bool:
     return "loss" in r
 
 
-def _evals(records: list[dict], events: list[dict], steps: list[dict]) -> list[tuple[int, float]]:
+def _evals(records: list[dict], said: list[dict], steps: list[dict]) -> list[tuple[int, float]]:
     found: dict[int, float] = {}
-    for e in events:  # the RL job evaluates the starting policy at step 0 as an event
-        if e.get("kind") == "eval" and e.get("held_out_accuracy") is not None:
+    for e in said:  # the RL job evaluates the starting policy at step 0 as an event
+        if events.EVAL.matches(e) and e.get("held_out_accuracy") is not None:
             found[int(e.get("step", 0))] = float(e["held_out_accuracy"])
     for r in records:
         for key in ("held_out_accuracy", "heldout_accuracy"):  # RL spells it one way, SFT's eval the other
@@ -117,13 +119,13 @@ def _evals(records: list[dict], events: list[dict], steps: list[dict]) -> list[t
     return sorted(found.items())
 
 
-def _marks(events: list[dict], steps: list[dict]) -> tuple[list[tuple[int, str]], dict[str, int]]:
+def _marks(said: list[dict], steps: list[dict]) -> tuple[list[tuple[int, str]], dict[str, int]]:
     counts: dict[str, int] = {}
     marks = []
-    for e in events:
+    for e in said:
         kind = str(e.get("kind"))
         counts[kind] = counts.get(kind, 0) + 1
-        if kind not in MARKED_EVENTS:
+        if events.kind_of(e) not in MARKED_EVENTS:
             continue
         step = e.get("step")
         if step is None:  # place it at the first step recorded after it happened
@@ -174,7 +176,7 @@ def summary(data: RunMetrics) -> dict[str, object]:
     if data.evals:
         out["held-out accuracy first -> last"] = f"{data.evals[0][1]:.3f} (step {data.evals[0][0]}) -> " \
                                                  f"{data.evals[-1][1]:.3f} (step {data.evals[-1][0]})"
-    interesting = {k: v for k, v in sorted(data.event_counts.items()) if k != "sync_verified"}
+    interesting = {k: v for k, v in sorted(data.event_counts.items()) if k != events.SYNC_VERIFIED.name}
     if interesting:
         out["events"] = ", ".join(f"{k} x{v}" for k, v in interesting.items())
     return out

@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 
 from rlslurm.errors import SlurmCommandError, SlurmParseError
+from rlslurm.events import BASE_FIELDS
 from rlslurm.progress import Progress
 from rlslurm.rundir import RunDir, find_run, read_jsonl, submitted_backend
 
@@ -119,7 +120,7 @@ def render(status: Status) -> str:
 
 def _fields(event: dict, most: int = 6) -> str:
     """An event's own fields, short: floats to 3 significant digits, at most `most` of them (the file has all)."""
-    extra = [(k, v) for k, v in event.items() if k not in ("t", "kind", "host", "pid", "role", "rank")]
+    extra = [(k, v) for k, v in event.items() if k not in BASE_FIELDS]
     text = [f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in extra[:most]]
     if len(extra) > most:
         text.append(f"(+{len(extra) - most} more)")
@@ -128,9 +129,9 @@ def _fields(event: dict, most: int = 6) -> str:
 
 def _submitted_at(run: RunDir) -> float:
     """When the run's newest job was submitted (its `submitted` event); 0 where none is recorded."""
-    from rlslurm.events import read_events
+    from rlslurm import events
 
-    submitted = read_events(run, "submitted")
+    submitted = events.read_events(run, events.SUBMITTED)
     return submitted[-1]["t"] if submitted else 0.0
 
 

@@ -13,7 +13,7 @@ import click
 
 from rlslurm.cli.options import run_root_option
 from rlslurm.diag.watchdog import request_drain
-from rlslurm.events import emit
+from rlslurm.events import DRAIN_REQUESTED, emit
 from rlslurm.rundir import find_run
 
 
@@ -25,5 +25,5 @@ def command(target: str, reason: str, run_root: str | None) -> None:
     """Request a drain of TARGET (a run directory or SLURM job id)."""
     run, job_id = find_run(target, run_root)
     path = request_drain(run, reason)
-    emit(run, "drain_requested", role="cli", rank=None, reason=reason, job_id=job_id, file=str(path))
+    emit(run, DRAIN_REQUESTED, role="cli", rank=None, reason=reason, job_id=job_id, file=str(path))
     click.echo(f"drain requested: {path} ({reason})")

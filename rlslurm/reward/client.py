@@ -29,7 +29,7 @@ from typing import AsyncIterator, Awaitable, Callable
 import httpx
 
 from rlslurm.errors import RewardServiceError
-from rlslurm.events import emit
+from rlslurm.events import REWARD_DEGRADED, emit
 from rlslurm.reward.config import RewardConfig
 from rlslurm.reward.scorers import Item, ShardedHttp
 from rlslurm.rundir import RunDir
@@ -176,7 +176,7 @@ class StepScores:
             log.warning("step %d: %d of %d responses degraded (%.1f%% > %.1f%%)", self.step, len(degraded),
                         len(outcomes), 100 * ratio, 100 * cfg.degraded_alert_ratio)
             if self.client.run is not None:
-                emit(self.client.run, "reward_degraded", step=self.step, degraded=len(degraded),
+                emit(self.client.run, REWARD_DEGRADED, step=self.step, degraded=len(degraded),
                      total=len(outcomes), ratio=round(ratio, 4), alert_ratio=cfg.degraded_alert_ratio,
                      policy=cfg.degrade, first_reason=degraded[0].reason[:300])
         if degraded and cfg.degrade == "fail":

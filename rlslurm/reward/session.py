@@ -14,7 +14,7 @@ for `local`, the supervised service (supervisor.py); `close()` ends the client, 
 
 Restarts are counted from the supervisor's `reward_service_restarted` events in <run>/events.jsonl, read
 on from where the previous step stopped: the same whether the supervisor runs in this process or on the
-reward component's node. A `reward_service_gave_up` there fails the step (RewardServiceError): past
+reward component's node. A `reward_service_down` there fails the step (RewardServiceError): past
 `reward.max_restarts` every later response would only be degraded.
 
 On SLURM the component writes <run>/endpoints/reward.json {url, node, pid, job_id, restart_count}
@@ -87,7 +87,7 @@ class ServiceEvents:
         self.tail = JsonlTail(run.events, from_end=True)
 
     def read(self) -> list[dict]:
-        return [e for e in self.tail.read() if str(e.get("kind", "")).startswith("reward_service_")]
+        return events.select(self.tail.read(), *events.REWARD_SERVICE)
 
 
 class RewardSession:
@@ -114,7 +114,7 @@ class RewardSession:
             job_id, restarts, started = lifecycle.leader_job_id(), lifecycle.restart_count(), time.monotonic()
             url = wait_for_url(run, cfg.start_timeout_s, job_id=job_id, restart_count=restarts)
             log.info("reward service of the reward component at %s", url)
-            events.emit(run, "reward_endpoint", role="controller", url=url, job_id=job_id, restart_count=restarts,
+            events.emit(run, events.REWARD_ENDPOINT, role="controller", url=url, job_id=job_id, restart_count=restarts,
                         waited_s=round(time.monotonic() - started, 3))
             return cls(cfg, run, url, None)
         supervisor = RewardSupervisor(cfg, run=run, diag=diag, env=env)
@@ -191,14 +191,14 @@ class StepScoring:
                 raise RewardServiceError(
                     f"step {self.scores.step}: {self.scores.settled} of {self.submitted} responses scored after "
                     f"{bound_s:.0f} s, past what reward.timeout_s, retries and concurrency allow; service {session.url}")
-        events = session.events.read()
-        gave_up = [e for e in events if e["kind"] == "reward_service_gave_up"]
-        if gave_up:
+        said = session.events.read()
+        down = events.select(said, events.REWARD_SERVICE_DOWN)
+        if down:
             raise RewardServiceError(
-                f"step {self.scores.step}: the reward supervisor on {gave_up[0].get('host')} gave up after "
-                f"{gave_up[0].get('attempts')} restarts (reward.max_restarts = {session.cfg.max_restarts}): "
-                f"{gave_up[0].get('reason')}; see {session.run.logs}/reward-service.log")
+                f"step {self.scores.step}: the reward supervisor on {down[0].get('host')} gave up after "
+                f"{down[0].get('attempts')} restarts (reward.max_restarts = {down[0].get('max_restarts')}): "
+                f"{down[0].get('reason')}; see {down[0].get('log')}")
         summary = self.scores.summary
         return outcomes, {"reward_degraded": summary.degraded, "reward_degraded_ratio": summary.degraded_ratio,
                           "reward_dropped": summary.dropped,
-                          "reward_restarts": sum(e["kind"] == "reward_service_restarted" for e in events)}
+                          "reward_restarts": len(events.select(said, events.REWARD_SERVICE_RESTARTED))}

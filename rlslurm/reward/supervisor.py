@@ -10,8 +10,8 @@ once and kept, so clients' retries land on the restarted process at the same URL
 ends it at once): a process that exited is restarted at once (event `reward_service_died`), one that
 fails `unhealthy_after` health checks in a row (hung, stopped) is killed and restarted (event
 `reward_service_unhealthy`); each new process writes `reward_service_restarted`. Past `max_restarts`
-it gives up (event `reward_service_gave_up`) and `failed` is set. `stop()` asks the service to exit
-(SIGTERM: its heartbeat ends `exited`), then kills its process group.
+it gives up (event `reward_service_down`: restarts, the budget, the service's log) and `failed` is set.
+`stop()` asks the service to exit (SIGTERM: its heartbeat ends `exited`), then kills its process group.
 
 With a run directory the service wears the phase guard (heartbeats/reward-0.json, see service.py);
 `bind` = 0.0.0.0 serves other nodes (the reward het component), while `url` stays loopback for the
@@ -37,10 +37,10 @@ from typing import Callable
 import httpx
 import yaml
 
+from rlslurm import events
 from rlslurm.configfile import to_dict
 from rlslurm.diag.config import DiagConfig
 from rlslurm.errors import RewardServiceError
-from rlslurm.events import emit
 from rlslurm.reward.config import RewardConfig
 from rlslurm.rundir import RunDir
 
@@ -75,6 +75,7 @@ class RewardSupervisor:
         self._thread: threading.Thread | None = None
         self._dir = Path(log_dir) if log_dir else (run.logs if run else Path(tempfile.mkdtemp(prefix="reward-")))
         self._dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = self._dir / "reward-service.log"  # stdout + stderr of every start, appended
         self._config = self._dir / "reward-service.yaml"
         self._config.write_text(yaml.safe_dump({"reward": to_dict(cfg), "diag": to_dict(diag or DiagConfig())}))
         self._http = httpx.Client(timeout=cfg.health_timeout_s)
@@ -86,10 +87,10 @@ class RewardSupervisor:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def _event(self, kind: str, **fields) -> None:
-        log.warning("%s %s", kind, fields)
+    def _event(self, kind: events.EventKind, **fields) -> None:
+        log.warning("%s %s", kind.name, fields)
         if self.run is not None:
-            emit(self.run, kind, role="reward", **fields)
+            events.emit(self.run, kind, role="reward", **fields)
 
     def start(self) -> None:
         """Launch the service, wait until it is healthy, then start the monitor thread."""
@@ -119,7 +120,7 @@ class RewardSupervisor:
 
     def _launch(self) -> bool:
         """Start the service and wait for /health: True once healthy, False when stop() came first."""
-        out = open(self._dir / "reward-service.log", "ab")
+        out = open(self.log_path, "ab")
         argv = [sys.executable, "-m", "rlslurm.reward.service", "--port", str(self.port), "--host", self.bind,
                 "--config", str(self._config)]
         if self.run is not None:
@@ -132,11 +133,11 @@ class RewardSupervisor:
                  self.proc.pid, self.url)
         while not self.healthy():
             if self.proc.poll() is not None or self.clock() > deadline:
-                tail = (self._dir / "reward-service.log").read_text(errors="replace")[-2000:]
+                tail = self.log_path.read_text(errors="replace")[-2000:]
                 self._kill()
                 raise RewardServiceError(
                     f"reward service on {self.url} not healthy within {self.cfg.start_timeout_s:g} s "
-                    f"(exit code {self.proc.returncode}); log {self._dir / 'reward-service.log'} ends:\n{tail}")
+                    f"(exit code {self.proc.returncode}); log {self.log_path} ends:\n{tail}")
             if self._stop.wait(0.1):
                 return False
         return True
@@ -151,7 +152,8 @@ class RewardSupervisor:
 
     def _restart(self, why: str) -> bool:
         if self._attempts >= self.cfg.max_restarts:
-            self._event("reward_service_gave_up", restarts=self.restarts, attempts=self._attempts, reason=why)
+            self._event(events.REWARD_SERVICE_DOWN, restarts=self.restarts, attempts=self._attempts,
+                        max_restarts=self.cfg.max_restarts, reason=why, log=str(self.log_path))
             self.failed.set()
             return False
         self._kill()
@@ -161,10 +163,10 @@ class RewardSupervisor:
             if not self._launch():
                 return False
         except RewardServiceError as e:
-            self._event("reward_service_start_failed", attempt=self._attempts, error=str(e)[:500])
+            self._event(events.REWARD_SERVICE_START_FAILED, attempt=self._attempts, error=str(e)[:500])
             return True  # the monitor's next round sees it dead and tries again
         self.restarts += 1
-        self._event("reward_service_restarted", restarts=self.restarts, pid=self.proc.pid, reason=why,
+        self._event(events.REWARD_SERVICE_RESTARTED, restarts=self.restarts, pid=self.proc.pid, reason=why,
                     start_s=round(self.clock() - started, 3), url=self.url)
         return True
 
@@ -173,7 +175,7 @@ class RewardSupervisor:
         while not self._stop.wait(self.cfg.health_interval_s):
             code = self.proc.poll()
             if code is not None:
-                self._event("reward_service_died", pid=self.proc.pid, exit_code=code)
+                self._event(events.REWARD_SERVICE_DIED, pid=self.proc.pid, exit_code=code)
                 failures = 0
                 if not self._restart("died"):
                     return
@@ -184,7 +186,7 @@ class RewardSupervisor:
             failures += 1
             log.warning("reward service health check failed (%d of %d)", failures, self.cfg.unhealthy_after)
             if failures >= self.cfg.unhealthy_after:
-                self._event("reward_service_unhealthy", pid=self.proc.pid, failed_checks=failures)
+                self._event(events.REWARD_SERVICE_UNHEALTHY, pid=self.proc.pid, failed_checks=failures)
                 failures = 0
                 if not self._restart("unhealthy"):
                     return

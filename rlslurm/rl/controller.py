@@ -113,7 +113,7 @@ class Controller:
         """Before the first sync: every rank and engine on one torch (and NCCL) when broadcasting."""
         diff = compare(read_fingerprints(self.run.path), sync_method=self.transport.name)
         if diff.errors or diff.warnings:
-            events.emit(self.run, "env_diff", report=diff.render(), ok=diff.ok)
+            events.emit(self.run, events.ENV_DIFF, report=diff.render(), ok=diff.ok)
         diff.raise_errors()
 
     def prompts(self, step: int) -> list[Problem]:
@@ -180,7 +180,7 @@ class Controller:
                                            first_step=step, last_step=self.job.train.steps, buffered=buffered,
                                            threaded=os.environ.get(THREADED_ENV) == "1" or None).start()
         if self.pipeline.restored:
-            events.emit(self.run, "experience_restored", role="controller", steps=self.pipeline.restored)
+            events.emit(self.run, events.EXPERIENCE_RESTORED, role="controller", steps=self.pipeline.restored)
 
     def experience(self, step: int, version: int, guard: PhaseGuard) -> Experience:
         """The experience step `step` trains on at `version`, each sample stamped with its staleness; raises
@@ -198,7 +198,7 @@ class Controller:
         t = time.monotonic()
         self.pipeline.before_sync(step, guard)
         waited_s = time.monotonic() - t
-        metrics = self.sync.sync(weights, version=version).metrics()
+        metrics = self.sync.sync(weights, version=version, step=step).metrics()
         self.pipeline.synced(step)
         return {**metrics, "sync_wait_rollout_s": waited_s}
 

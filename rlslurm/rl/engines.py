@@ -37,30 +37,45 @@ class Engines:
     placement on SLURM), or spawned here beside rank 0 (colocated, or any run off SLURM)."""
 
     def __init__(self, job: JobConfig, layout: JobLayout, run: RunDir, model_dir: Path):
-        from rlslurm.rollout.client import EngineClient, spawn_engine
+        from rlslurm.rollout.client import EngineClient, EngineRequestError, spawn_engine
 
         self.run = run
         self.processes = []
+        self.identity: dict[str, dict] = {}  # url -> node, pid, log: what an `engine_failed` event names
         if layout.engines_from_component:
             urls = wait_for_endpoints(run, layout.engines, job.rollout.request_timeout_s,
                                       job_id=lifecycle.leader_job_id(), restart_count=lifecycle.restart_count())
+            announced = {r.get("url"): r for r in map(_read_json, (run.path / "endpoints").glob("engine-*.json"))}
+            self.identity = {url: {"node": announced.get(url, {}).get("node"), "pid": announced.get(url, {}).get("pid"),
+                                   "log": str(run.logs / "rollout-*.log")} for url in urls}
             self.clients = [EngineClient(url, job.rollout.request_timeout_s) for url in urls]
-            for client in self.clients:  # an engine announces itself before its server listens
-                client.wait_ready(job.rollout.request_timeout_s)
+            try:
+                for client in self.clients:  # an engine announces itself before its server listens
+                    client.wait_ready(job.rollout.request_timeout_s)
+            except EngineRequestError as e:
+                self.failed(e)
+                raise
         else:
             node = node_name()
             for i in range(layout.engines):
+                port, log_path = free_port(), run.logs / f"engine-{i}.log"
+                self.identity[f"http://127.0.0.1:{port}"] = {"node": node, "log": str(log_path)}
                 # Its own GPUs (the layout's positions among rank 0's) and the job's network environment.
                 gpus = spawned_engine_env(layout, i)
-                proc = spawn_engine(model_dir, port=free_port(), log_path=run.logs / f"engine-{i}.log",
-                                    extra_args=engine_args(job),
-                                    env={"RLSLURM_RUN_DIR": str(run.path), "RLSLURM_ROLE": "rollout",
-                                         "RLSLURM_RANK": str(i),
-                                         # the vLLM engine's share of a GPU (rollout/vllm_engine.py)
-                                         "RLSLURM_GPU_MEMORY_UTILIZATION": str(job.rollout.gpu_memory_utilization),
-                                         **network_env(job.network), **gpus},
-                                    timeout_s=job.rollout.request_timeout_s,
-                                    engine=job.rollout.engine, python=job.rollout.python)
+                try:
+                    proc = spawn_engine(model_dir, port=port, log_path=log_path, extra_args=engine_args(job),
+                                        env={"RLSLURM_RUN_DIR": str(run.path), "RLSLURM_ROLE": "rollout",
+                                             "RLSLURM_RANK": str(i),
+                                             # the vLLM engine's share of a GPU (rollout/vllm_engine.py)
+                                             "RLSLURM_GPU_MEMORY_UTILIZATION": str(job.rollout.gpu_memory_utilization),
+                                             **network_env(job.network), **gpus},
+                                        timeout_s=job.rollout.request_timeout_s,
+                                        engine=job.rollout.engine, python=job.rollout.python)
+                except EngineRequestError as e:
+                    self.failed(e)
+                    self.stop()  # the engines started before it
+                    raise
+                self.identity[proc.url]["pid"] = proc.proc.pid
                 self.processes.append(proc)
                 # A spawned engine is no SLURM task of its own, so it is recorded here: on SLURM this is
                 # where a colocated engine shows it shares the trainer's node.
@@ -87,13 +102,48 @@ class Engines:
                                       "version": answer["version"]}
             except EngineRequestError as e:  # the job checkpoints and requeues whatever an engine says
                 states[client.url] = {"state": "unknown", "error": str(e)}
-        events.emit(self.run, "engines_drained", role="controller", engines=states)
+        events.emit(self.run, events.ENGINES_DRAINED, role="controller", engines=states)
+
+    def failed(self, error: BaseException) -> bool:
+        """Say which engine failed the job (event `engine_failed`: url, node, pid, exit code, log, the call
+        and what came back) when `error` is an engine's (an EngineRequestError, or raised from one: a sync
+        stage, the experience pipeline) or a spawned engine process has exited; False when neither."""
+        from rlslurm.rollout.client import EngineRequestError
+
+        cause: BaseException | None = error
+        while cause is not None and not (isinstance(cause, EngineRequestError) and cause.url):
+            cause = cause.__cause__ or cause.__context__
+        exited = {p.url: p.proc.poll() for p in self.processes if p.proc.poll() is not None}
+        if cause is not None:  # its message without the "engine <url>: " it starts with (the event has the url)
+            url, call, said = cause.url, cause.call, str(cause).removeprefix(f"engine {cause.url}: ")
+        elif exited:
+            url, call, said = next(iter(exited)), None, f"the engine process exited while: {error}"
+        else:
+            return False
+        fields = {k: v for k, v in self.identity.get(url, {}).items() if v is not None}
+        if url in exited:
+            fields["exit_code"] = exited[url]
+        if call is not None:
+            fields["call"] = call
+        if getattr(cause, "status", None) is not None:
+            fields["status"] = cause.status
+        log.error("engine %s failed: %s", url, said.splitlines()[0])
+        events.emit(self.run, events.ENGINE_FAILED, role="controller", url=url, cause=said.splitlines()[0][:500],
+                    **fields)
+        return True
 
     def stop(self) -> None:
         for proc in self.processes:
             proc.stop()
-        for client in self.clients:
+        for client in getattr(self, "clients", []):
             client.close()
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def engine_args(job: JobConfig) -> list[str]:

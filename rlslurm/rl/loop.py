@@ -67,7 +67,14 @@ def run(job: JobConfig, run_dir: str | Path) -> int:
             model_dir = initial_model_dir(job, run_, topo)
             policy = make_policy(job, topo, model_dir)
             controller = Controller(job, run_, model_dir, policy.tokenizer) if topo.is_main else None
-            code = Loop(job, run_, topo, gate, guard, policy, controller).run()
+            try:
+                code = Loop(job, run_, topo, gate, guard, policy, controller).run()
+            except Exception as e:
+                # The step loop gives up a step only when SLURM stops the job; anything else that left it
+                # fails the job. Where an engine is behind it, say which (node, pid, exit code, log).
+                if controller is not None:
+                    controller.engines.failed(e)
+                raise
             # Leave together (done or drained): a rank tearing gloo down while a peer still talks to
             # the store that rank 0 hosts aborted with "terminate called without an active exception".
             dist.barrier()
@@ -171,10 +178,11 @@ class Loop:
             return
         with self.guard.phase("sync", step=self.step):
             controller.check_env()
-            controller.sync.sync(self.policy.weights(), version=self.version)
+            controller.sync.sync(self.policy.weights(), version=self.version, step=self.step)
         if "eval_history" not in self.rl_state:
             self.rl_state["eval_history"] = [[self.step, controller.evaluate()]]
-            events.emit(self.run_dir, "eval", step=self.step, held_out_accuracy=self.rl_state["eval_history"][-1][1])
+            events.emit(self.run_dir, events.EVAL, step=self.step,
+                        held_out_accuracy=self.rl_state["eval_history"][-1][1])
         # rl.max_staleness > 0: from here on the next steps' rollouts run while this one trains.
         controller.start_experience(self.step, self.version, self.rl_state)
 
@@ -200,11 +208,11 @@ class Loop:
             except RlslurmError as e:
                 if not _stopped_by_slurm(self.gate):
                     raise
-                events.emit(self.run_dir, "step_abandoned", step=step,
+                events.emit(self.run_dir, events.STEP_ABANDONED, step=step,
                             reason=f"SLURM stops the job and its engines: {e}")
             degraded = _degraded_by_slurm_stop(box[0], self.gate)
             if degraded:
-                events.emit(self.run_dir, "step_abandoned", step=step,
+                events.emit(self.run_dir, events.STEP_ABANDONED, step=step,
                             reason=f"SLURM stops the job and its reward service: {degraded} responses degraded")
                 box = [None]
             if box[0] is None:  # the resumed job makes it again, not from the checkpoint's buffer
@@ -235,7 +243,7 @@ class Loop:
                     raise
                 # The trained step stands: the drain checkpoint holds it, and the resumed job's first
                 # sync puts these weights into its new engines.
-                events.emit(self.run_dir, "sync_skipped", step=self.step,
+                events.emit(self.run_dir, events.SYNC_SKIPPED, step=self.step,
                             reason=f"SLURM stops the job and its engines: {e}")
                 metrics = {"sync_skipped": True}
         return metrics, time.monotonic() - t
@@ -253,7 +261,7 @@ class Loop:
         self.run_dir.append_json(self.run_dir.metrics, record)
         if first_step:  # requeue -> training again is measured up to here
             since = time.time() - psutil.Process().create_time()
-            events.emit(self.run_dir, "first_step", step=step, policy_version=self.version,
+            events.emit(self.run_dir, events.FIRST_STEP, step=step, policy_version=self.version,
                         since_process_start_s=round(since, 3), device=str(self.policy.device))
         log.info("step %d v%d reward %.3f eff %d/%d rollout %.2fs train %.2fs sync %.2fs%s", step, self.version,
                  exp.stats["reward_mean"], exp.stats["effective_samples"], exp.stats["samples"],
@@ -274,7 +282,7 @@ class Loop:
             if signal_name == "SIGTERM":
                 # SLURM sent SIGTERM to every step, the engines' too: they are stopping already, and
                 # KillWait is for the checkpoint.
-                events.emit(self.run_dir, "engines_drained", role="controller", engines={},
+                events.emit(self.run_dir, events.ENGINES_DRAINED, role="controller", engines={},
                             reason="stopped by SLURM (SIGTERM)")
             else:
                 self.controller.engines.drain(self.job.sync.timeout_s)
@@ -298,7 +306,7 @@ class Loop:
         if self.topo.is_main:
             save_hf(self.policy.model, self.run_dir.path / "export" / "hf", max_new_tokens=self.job.rollout.max_new_tokens,
                     tokenizer=self.policy.tokenizer)
-            events.emit(self.run_dir, "done", step=self.step, policy_version=self.version,
+            events.emit(self.run_dir, events.DONE, step=self.step, policy_version=self.version,
                         held_out_accuracy=self.rl_state.get("eval_history", [[0, None]])[-1][1])
 
 

@@ -34,10 +34,13 @@ class EngineRequestError(RlslurmError):
 
     exit_code = 6
 
-    def __init__(self, message: str, status: int | None = None, retry_after_s: float | None = None):
+    def __init__(self, message: str, status: int | None = None, retry_after_s: float | None = None, *,
+                 url: str | None = None, call: str | None = None):
         super().__init__(message)
         self.status = status
         self.retry_after_s = retry_after_s
+        self.url = url  # the engine: the controller's `engine_failed` event names its node, pid and log
+        self.call = call  # what was asked, e.g. "POST /v1/completions" ("start": it never became healthy)
 
 
 class EngineClient:
@@ -53,17 +56,20 @@ class EngineClient:
 
     def _call(self, method: str, path: str, timeout_s: float | None = None, **kwargs) -> dict:
         timeout = self.timeout_s if timeout_s is None else timeout_s
+        call = f"{method} {path}"
         try:
             r = self._http.request(method, path, timeout=timeout, **kwargs)
         except httpx.TimeoutException:
-            raise EngineRequestError(f"engine {self.url}: {method} {path} got no answer within {timeout:.1f} s") from None
+            raise EngineRequestError(f"engine {self.url}: {call} got no answer within {timeout:.1f} s",
+                                     url=self.url, call=call) from None
         except httpx.HTTPError as e:
-            raise EngineRequestError(f"engine {self.url}: {method} {path} failed: {type(e).__name__}: {e}") from None
+            raise EngineRequestError(f"engine {self.url}: {call} failed: {type(e).__name__}: {e}",
+                                     url=self.url, call=call) from None
         if r.status_code >= 400:
             retry = r.headers.get("Retry-After")
             raise EngineRequestError(
-                f"engine {self.url}: {method} {path} -> HTTP {r.status_code}: {r.text[:500]}",
-                status=r.status_code, retry_after_s=float(retry) if retry else None)
+                f"engine {self.url}: {call} -> HTTP {r.status_code}: {r.text[:500]}",
+                status=r.status_code, retry_after_s=float(retry) if retry else None, url=self.url, call=call)
         return r.json()
 
     # -- serving -----------------------------------------------------------------------------------
@@ -78,13 +84,15 @@ class EngineClient:
         last: Exception | None = None
         while clock() < deadline:
             if not alive():
-                raise EngineRequestError(f"engine {self.url} exited before it became healthy ({last})")
+                raise EngineRequestError(f"engine {self.url} exited before it became healthy ({last})",
+                                         url=self.url, call="start")
             try:
                 return self.health(timeout_s=min(5.0, timeout_s))
             except EngineRequestError as e:
                 last = e
             sleep(poll_s)
-        raise EngineRequestError(f"engine {self.url} not healthy after {timeout_s:.0f} s: last error: {last}")
+        raise EngineRequestError(f"engine {self.url} not healthy after {timeout_s:.0f} s: last error: {last}",
+                                 url=self.url, call="start")
 
     def completions(self, prompts: list, *, n: int = 1, max_tokens: int = 16, temperature: float = 1.0,
                     seed: int | None = None, model: str = "policy", timeout_s: float | None = None) -> dict:
@@ -192,5 +200,5 @@ def spawn_engine(model_dir: str | Path, *, port: int, host: str = "127.0.0.1", l
     except EngineRequestError as e:
         proc.kill()
         tail = log_path.read_text(errors="replace")[-2000:]
-        raise EngineRequestError(f"{e}\n--- tail of {log_path} ---\n{tail}") from None
+        raise EngineRequestError(f"{e}\n--- tail of {log_path} ---\n{tail}", url=e.url, call=e.call) from None
     return EngineProcess(proc, client, log_path)

@@ -6,16 +6,18 @@
             out, the engine what landed, rlslurm/sync/landing.py), not in a pass of their own
     VERIFY  the trainer's per-tensor checksums are compared with each engine's; a mismatch
             re-runs UPDATE up to `sync.retries` times, then the engines roll back, stay drained,
-            and SyncVerifyError says which tensors of which engine differed. An engine swaps the
-            verified tensors in only now, so it never serves a half update
+            and SyncVerifyError (and a `sync_verify_failed` event) says which tensors of which
+            engine differed. An engine swaps the verified tensors in only now, so it never serves
+            a half update
     RESUME  every engine serves again, stamping samples with version + 1
 
     sync = WeightSync(clients, transport_for(layout.sync_method, cfg.sync, weights_dir=d), cfg.sync)
-    report = sync.sync(dict(model.state_dict()), version=step + 1)
+    report = sync.sync(dict(model.state_dict()), version=step + 1, step=step + 1)
     metrics.update(report.metrics())
 
-Every stage runs under `sync.timeout_s`: a dead or stuck engine raises SyncStageError instead of
-hanging the job. Each stage's seconds, bytes and GB/s are in the returned SyncReport.
+Every stage runs under `sync.timeout_s`: a dead or stuck engine raises SyncStageError (event
+`sync_failed`) instead of hanging the job. Each stage's seconds, bytes and GB/s are in the returned
+SyncReport.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Callable, Mapping, Protocol, Sequence
 import torch
 
 from rlslurm.errors import RlslurmError, SyncVerifyError
-from rlslurm.events import emit
+from rlslurm import events
 from rlslurm.rundir import RunDir
 from rlslurm.sync.buckets import Fault
 from rlslurm.sync.checksum import Checksum, checksums, compare, finish
@@ -72,6 +74,7 @@ class StageStat:
 class SyncReport:
     transport: str
     version: int
+    step: int | None = None
     attempts: int = 0
     stages: dict[str, StageStat] = field(default_factory=lambda: {s: StageStat() for s in STAGES})
 
@@ -99,9 +102,10 @@ class WeightSync:
         self.run = run
         self.clock = clock
 
-    def sync(self, tensors: Mapping[str, torch.Tensor], version: int) -> SyncReport:
+    def sync(self, tensors: Mapping[str, torch.Tensor], version: int, *, step: int | None = None) -> SyncReport:
+        """One sync of `tensors` to `version`; `step` (the step boundary it follows) goes into its events."""
         cfg, timeout_s = self.config, self.config.timeout_s
-        report = SyncReport(self.transport.name, version)
+        report = SyncReport(self.transport.name, version, step)
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         # What VERIFY holds the engines to: checksums of the trainer's own tensors (a transport's
         # fault hook corrupts only its copies), taken by the first UPDATE as it copies them out.
@@ -132,13 +136,14 @@ class WeightSync:
                 break
             log.error("sync to version %d: verify failed on attempt %d/%d: %d tensors differ, e.g. %s",
                       version, attempt + 1, cfg.retries + 1, len(problems), problems[0])
-            self._event("sync_verify_mismatch", version=version, attempt=attempt + 1,
+            self._event(report, events.SYNC_VERIFY_MISMATCH, version=version, attempt=attempt + 1,
                         mismatches=problems[:8])
         if problems:
             self._fail_verify(version, problems, report)
         self._stage(report, "resume",
                     lambda: self._each(lambda e: e.resume(version, timeout_s, unverified_ok=not cfg.verify)))
-        self._event("sync_verified", version=version, transport=self.transport.name, **report.metrics())
+        self._event(report, events.SYNC_VERIFIED, version=version, transport=self.transport.name,
+                    **report.metrics())
         log.info("sync to version %d via %s: %.2f s (update %.3f GB/s)", version, self.transport.name,
                  report.seconds, report.stages["update"].gbps)
         return report
@@ -151,9 +156,9 @@ class WeightSync:
                 rolled.append((e.url, e.rollback(self.config.timeout_s)["ok"]))
             except RlslurmError as err:
                 rolled.append((e.url, f"rollback failed: {err}"))
-        self._event("sync_failed", version=version, transport=self.transport.name,
-                    attempts=report.attempts, mismatches=problems[:8], rollback=rolled)
         first = problems[0]
+        self._event(report, events.SYNC_VERIFY_FAILED, version=version, transport=self.transport.name,
+                    attempts=report.attempts, engine=first["engine"], mismatches=problems[:8], rollback=rolled)
         raise SyncVerifyError(
             f"weight sync to version {version} via {self.transport.name} failed verification "
             f"{report.attempts} times: {len(problems)} tensors differ (first: {first['name']!r} on "
@@ -179,16 +184,16 @@ class WeightSync:
         try:
             result = pool.submit(work).result(timeout=self.config.timeout_s)
         except FutureTimeout:
-            self._event("sync_failed", stage=name, version=report.version, reason="timeout")
+            self._event(report, events.SYNC_FAILED, stage=name, version=report.version, reason="timeout")
             raise SyncStageError(f"weight sync stage {name} ran past sync.timeout_s = "
                                  f"{self.config.timeout_s} s (engines {[e.url for e in self.engines]})") from None
         except RlslurmError as e:
             if isinstance(e, SyncVerifyError):
                 raise
-            self._event("sync_failed", stage=name, version=report.version, reason=str(e))
+            self._event(report, events.SYNC_FAILED, stage=name, version=report.version, reason=str(e))
             raise SyncStageError(f"weight sync stage {name} failed: {e}") from e
         except Exception as e:  # a broken process group, a connection reset, ...
-            self._event("sync_failed", stage=name, version=report.version, reason=repr(e))
+            self._event(report, events.SYNC_FAILED, stage=name, version=report.version, reason=repr(e))
             raise SyncStageError(f"weight sync stage {name} failed: {type(e).__name__}: {e}") from e
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
@@ -198,9 +203,10 @@ class WeightSync:
             stat.bytes += int(result)
         return result
 
-    def _event(self, kind: str, **fields) -> None:
+    def _event(self, report: SyncReport, kind: events.EventKind, **fields) -> None:
         if self.run is not None:
-            emit(self.run, kind, role="controller", **fields)
+            step = {} if report.step is None else {"step": report.step}
+            events.emit(self.run, kind, role="controller", **step, **fields)
 
 
 def transport_for(method: str, config: SyncConfig, *, weights_dir: str | Path, host: str = "127.0.0.1",

@@ -308,7 +308,7 @@ def assert_rewards_scored(run: Path) -> None:
     assert {tuple(m[k] for k in keys) for m in rows} == {(0, 0.0, 0, 0)}
     abandoned = {(e["pid"], e["step"]) for e in su.events(run, "step_abandoned")}
     degraded = [e for e in su.events(run, "reward_degraded") if (e["pid"], e["step"]) not in abandoned]
-    assert not degraded and not su.events(run, "reward_service_gave_up"), degraded
+    assert not degraded and not su.events(run, "reward_service_down"), degraded
 
 
 def assert_reward_component(run: Path, job_id: str, restarts: int) -> None:

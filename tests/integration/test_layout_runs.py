@@ -22,7 +22,7 @@ from rlslurm.rundir import read_jsonl
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny-grpo.yaml"
 SMALL = ("train.steps=2", "rl.prompts_per_step=8", "rl.eval_every=100", "task.eval_size=16",
-         "checkpoint.interval_steps=1000", "reward.service=inline", "placement.rollout_nodes=null")
+         "checkpoint.interval_steps=1000", "placement.rollout_nodes=null")
 
 
 @pytest.mark.parametrize("nodes,mode,method,expected", [

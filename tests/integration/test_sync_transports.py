@@ -104,7 +104,7 @@ def test_a_tensor_corrupted_in_flight_is_never_served(kind, engine, models, refe
         engine.client.completions(PROMPTS, max_tokens=8, temperature=0)
     assert refused.value.status == 503
     kinds = [e["kind"] for e in read_events(run)]
-    assert kinds == ["sync_verify_mismatch", "sync_verify_mismatch", "sync_failed"]
+    assert kinds == ["sync_verify_mismatch", "sync_verify_mismatch", "sync_verify_failed"]
 
     # The rollback restored the last verified weights: serving them again is allowed and exact.
     engine.client.resume(before, timeout_s=10)

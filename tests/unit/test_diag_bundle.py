@@ -71,7 +71,7 @@ def test_classifier_names_the_cause(facts, kind, words):
 
 def test_only_the_current_attempt_decides_earlier_ones_are_evidence():
     events = [{"kind": "hang_detected", "message": "old hang", "collective": "all_reduce"},
-              {"kind": "resume", "step": 40}, {"kind": "finished"}]
+              {"kind": "resume", "step": 40}, {"kind": "done", "step": 50}]
     (cause,) = classify(_facts(events=events))
     assert cause.kind == "finished" and "earlier attempt: hang_detected old hang" in cause.evidence
 

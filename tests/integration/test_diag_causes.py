@@ -1,0 +1,64 @@
+"""`rlslurm diag` names the cause of a real RL run that failed for it: the reward service gone past its restart
+budget, a weight sync whose VERIFY failed, an engine that died. Each run is made by
+tests/integration/failures.py (local backend: real trainer ranks, engine server, reward service), then the
+CLI runs on its run directory, as a user would.
+
+    python -m pytest -q tests/integration/test_diag_causes.py      # ~1 min per run on 2 idle cores
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from click.testing import CliRunner
+
+import failures
+from rlslurm import events
+from rlslurm.cli.main import cli
+from rlslurm.rundir import RunDir
+
+pytestmark = pytest.mark.slow
+
+
+def diag(run, tmp_path) -> str:
+    """`rlslurm diag RUN --out TMP --no-slurm`: what it prints."""
+    result = CliRunner().invoke(cli, ["diag", str(run), "--out", str(tmp_path / "bundles"), "--no-slurm"],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_reward_service_past_its_restart_budget(tmp_path):
+    made = failures.reward_down(tmp_path)
+    (down,) = events.read_events(RunDir(made.run), events.REWARD_SERVICE_DOWN)
+    assert (down["restarts"], down["attempts"], down["max_restarts"]) == (1, 1, 1)
+    assert down["log"].endswith("logs/reward-service.log") and down["reason"] == "died"
+    out = diag(made.run, tmp_path)
+    line = re.search(r"^cause: (.*)$", out, re.MULTILINE).group(1)
+    assert line.startswith("reward service down: gone past its restart budget (1 restarts, 1 tried, "
+                           "reward.max_restarts = 1; last: died)"), out
+    assert f"service log: {down['log']}" in out
+    assert "Python exception in train-0 during phase reward" in out  # the symptom, listed after the cause
+
+
+def test_weight_sync_verify_failure(tmp_path):
+    made = failures.sync_failure(tmp_path)
+    (failed,) = events.read_events(RunDir(made.run), events.SYNC_VERIFY_FAILED)
+    assert failed["attempts"] == 2 and failed["step"] == 0 and failed["version"] == 0
+    assert [m["name"] for m in failed["mismatches"]] == [failures.CORRUPTED]
+    assert [e["attempt"] for e in events.read_events(RunDir(made.run), events.SYNC_VERIFY_MISMATCH)] == [1, 2]
+    out = diag(made.run, tmp_path)
+    assert re.search(rf"^cause: weight-sync VERIFY failed at step 0: the sync to version 0 via broadcast left 1 "
+                     rf"tensors differing on {re.escape(failed['engine'])} after 2 attempts \(first "
+                     rf"'{re.escape(failures.CORRUPTED)}': expected float32\[256,64\]:\w+:\w+:\w+, engine has "
+                     rf"float32\[256,64\]:\w+:\w+:\w+\)$", out, re.MULTILINE), out
+
+
+def test_engine_killed_mid_run(tmp_path):
+    made = failures.engine_crash(tmp_path)
+    (failed,) = events.read_events(RunDir(made.run), events.ENGINE_FAILED)
+    assert failed["exit_code"] == -9 and failed["log"].endswith("engine-0.log") and failed["node"]
+    out = diag(made.run, tmp_path)
+    assert re.search(rf"^cause: rollout engine crash: {re.escape(failed['url'])} \(node \S+, pid {failed['pid']}, "
+                     rf"exit code -9\): (POST|GET) /\S+ failed: ConnectError", out, re.MULTILINE), out

@@ -1,0 +1,74 @@
+"""The cause classifier on recorded real runs: tests/data/diag/<cause>/ holds what `rlslurm diag` collected
+from a real run of that failure (events, heartbeats, env fingerprints, log tails; tests/data/diag/record.py
+made them, tests/integration/failures.py says how each failure was made). Each is replayed through the
+classifier as the bundle feeds it, and must be named as the cause it was made for."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rlslurm.diag.env_diff import compare, read_fingerprints
+from rlslurm.diag.summary import Facts, classify, render
+from rlslurm.rundir import read_jsonl
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "diag"
+CAUSES = {
+    # cause -> words its headline must hold (what makes the line useful to a person)
+    "finished": "finished OK",
+    "exception": "Python exception in train-0 during phase train step 3: RuntimeError: toy fault",
+    "hang": "hang in collective all_reduce on ranks train-0, waiting on train-1",
+    "running": "still running (step",
+    "unknown": "no cause found",
+    "oom": "can't allocate memory",
+    "env_mismatch": "torch differs between train and rollout",
+    "reward_down": "reward service down: gone past its restart budget",
+    "sync_failure": "weight-sync VERIFY failed",
+    "engine_crash": "rollout engine crash",
+    "time_limit": "time limit reached",
+    "preempted": "preempted by SLURM",
+    "node_failure": "node failure",
+}
+"""Every cause the classifier names (summary.Cause.kind)."""
+
+
+def recorded_facts(folder: Path) -> Facts:
+    """The Facts diag/bundle.py's `collect` builds, from a recorded bundle; what no file holds (the time,
+    the host, which processes were alive, SLURM's state) from recorded.json."""
+    meta = json.loads((folder / "recorded.json").read_text())
+    fps = read_fingerprints(folder / "env") if (folder / "env").is_dir() else {}
+    # As the bundle does: the sync method the plan decided (layout.json), else as strictly as broadcast.
+    layout = folder / "run" / "layout.json"
+    diff = compare(fps, sync_method=json.loads(layout.read_text())["sync_method"] if layout.is_file()
+                   else "broadcast") if fps else None
+    alive = set(meta["alive"])
+    logs = {str(p.relative_to(folder / "logs"))[: -len(".tail")]: p.read_text()
+            for p in sorted((folder / "logs").rglob("*.tail"))}
+    return Facts(events=read_jsonl(folder / "run" / "events.jsonl"),
+                 heartbeats=[json.loads(p.read_text()) for p in sorted((folder / "heartbeats").glob("*.json"))],
+                 logs=logs, slurm_state=meta["slurm_state"],
+                 env_errors=[f.message for f in diff.errors] if diff else [],
+                 now=meta["recorded_at"], host=meta["host"], pid_alive=lambda hb: hb["file"] in alive)
+
+
+RECORDED = sorted(p.name for p in DATA.iterdir() if (p / "recorded.json").is_file())
+
+
+@pytest.mark.parametrize("cause", RECORDED)
+def test_a_recorded_run_is_named_as_the_cause_it_was_made_for(cause):
+    folder = DATA / cause
+    meta = json.loads((folder / "recorded.json").read_text())
+    causes = classify(recorded_facts(folder))
+    assert meta["cause"] == cause and causes[0].kind == cause, render(causes)
+    assert CAUSES[cause] in causes[0].headline, causes[0].headline
+
+
+def test_every_cause_has_a_recorded_run():
+    assert set(RECORDED) == set(CAUSES), f"not recorded: {sorted(set(CAUSES) - set(RECORDED))}"
+
+
+def test_an_oom_past_a_forced_preflight_says_so():
+    (cause, *_) = classify(recorded_facts(DATA / "oom"))
+    assert cause.evidence[0].startswith("submitted with --force past the plan's pre-flight: "), cause.evidence
