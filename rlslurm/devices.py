@@ -58,12 +58,13 @@ def local_gpu_ids(lay: JobLayout, env: Mapping[str, str] | None = None) -> list[
     PreflightError when the machine has fewer than the layout needs."""
     if not lay.local_gpus:
         return []
+    env = os.environ if env is None else env
     have = machine_gpus(env)
     if len(have) < lay.local_gpus:
         raise PreflightError(
             f"this job needs {lay.local_gpus} GPUs of this machine ({lay.train_world} trainer rank(s)"
             + (f" and {len(lay.spawned_engine_gpus)} engine(s) of {lay.gpus_per_engine}" if lay.spawned_engine_gpus
-               else "") + f"), but it has {len(have)} ({CVD}={os.environ.get(CVD, '<unset>')!r} or /dev/nvidia*): "
+               else "") + f"), but it has {len(have)} ({CVD}={env.get(CVD, '<unset>')!r} or /dev/nvidia*): "
             "run it where the GPUs are, or plan it for them (hardware.profile cpu asks for none)")
     if not all(g.isdigit() for g in have):
         raise PreflightError(f"{CVD}={','.join(have)} names GPUs by UUID or MIG id; the local executor hands "

@@ -210,16 +210,18 @@ def dry_run(job: JobConfig, *, force: bool = False, backend: str | None = None,
         script = submission_script(_slurm_executor(job, path, lay, ScriptRenderer))
         lines += ["sbatch script:", script.rstrip("\n")]
     else:
+        from rlslurm.devices import local_gpu_ids
         from rlslurm.network import network_env
 
+        gpus = local_gpu_ids(lay)  # refused as submit would refuse it: this machine lacks the GPUs
         engines = (f"rank 0 spawns {lay.engines} rollout engine(s) beside it" if job.job.kind == "rl"
                    else "no rollout")
         net = "".join(f" {k}={shlex.quote(v)}" for k, v in network_env(job.network).items())
         lines += ["local launch (submitit's LocalExecutor on this machine):",
                   f"  {lay.train_world} task(s) of rlslurm.jobs.entry.run_component({str(path)!r}), timeout "
                   f"{job.cluster.time_limit_min} min; {engines}",
-                  f"  GPUs: {lay.local_gpus} of this machine's (CUDA_VISIBLE_DEVICES of every task; each rank takes "
-                  f"its local rank's); engines' GPU positions {lay.spawned_engine_gpus}",
+                  f"  GPUs: {','.join(map(str, gpus)) or 'none'} of this machine's (CUDA_VISIBLE_DEVICES of every "
+                  f"task; each rank takes its local rank's); engines' positions among them {lay.spawned_engine_gpus}",
                   f"  env: {ENV_VAR}={shlex.quote(str(path))} MASTER_ADDR=127.0.0.1 MASTER_PORT=<a free port>{net}",
                   f"  logs: {path / 'logs' / 'submitit'}"]
     return "\n".join(lines) + "\n"
@@ -286,9 +288,8 @@ def _submit_slurm(job: JobConfig, run: RunDir, lay: JobLayout) -> Submission:
 def _submit_local(job: JobConfig, run: RunDir, lay: JobLayout) -> Submission:
     import submitit
 
-    from rlslurm.jobs.entry import run_component
-
     from rlslurm.devices import local_gpu_ids
+    from rlslurm.jobs.entry import run_component
     from rlslurm.network import network_env
 
     executor = submitit.LocalExecutor(folder=run.logs / "submitit")
