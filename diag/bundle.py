@@ -7,8 +7,10 @@ Contents (under diag-<run>-<stamp>/): summary.txt/.json; slurm/ (scontrol show j
 run/ (config.yaml, plan.json, layout.json, jobs.jsonl, submissions.jsonl, placement.jsonl, events.jsonl,
 metrics tail, rendered sbatch scripts); heartbeats.txt + heartbeats/; env/ fingerprints + env-diff.txt;
 stacks/ (dumps of hangs, faulthandler files, and a live py-spy dump of every process still running: on
-this host directly, on a running job's nodes through `srun --overlap` into the job); logs/ (the tail of
-each log); checkpoints.txt.
+this host directly, on a running job's nodes through `srun --overlap` into the job); collectives/ (every
+rank's flight-recorder records and each GPU node's nvidia-smi snapshot, as the node agents took them on a
+hang: diag/collectives.py, diag/nvidia_smi.py); gpu/ (nvidia-smi of this host, where it has GPUs); logs/
+(the tail of each log); checkpoints.txt.
 
 Redaction, everywhere, before anything is written: values of keys whose name contains TOKEN, KEY,
 SECRET, PASSWORD (any case) in config, env and JSON; `NAME=value` / `name: value` with such names in
@@ -31,7 +33,8 @@ from typing import Any
 
 import yaml
 
-from rlslurm.diag import summary as summ
+from rlslurm.diag import nvidia_smi, summary as summ
+from rlslurm.diag.collectives import records_dir
 from rlslurm.diag.env_diff import compare, read_fingerprints
 from rlslurm.diag.heartbeat import pid_alive, read_heartbeats, table
 from rlslurm.diag.stack_dump import dump_stack, py_spy_binary
@@ -263,6 +266,14 @@ def collect(target: str | Path, *, run_root: Path | None = None, out_dir: Path |
         for p in sorted(run.stacks.rglob("*")):
             if p.is_file():
                 files[f"stacks/{p.relative_to(run.stacks)}"] = _tail(p, 5000)
+    records = records_dir(run)
+    if records.is_dir():  # the flight-recorder records and nvidia-smi snapshots the node agents took on hangs
+        for p in sorted(records.rglob("*")):
+            if p.is_file() and not p.name.startswith("."):
+                files[f"collectives/{p.relative_to(records)}"] = _tail(p, 5000)
+    gpus = nvidia_smi.snapshot()
+    if gpus is not None:
+        files[f"gpu/nvidia-smi-{node_name()}.txt"] = gpus
     if live:
         files.update({f"stacks/live-{stamp}/{name}.txt": text
                       for name, text in live_dumps(beats, slurm_job if state == "RUNNING" else None, native).items()})

@@ -35,6 +35,10 @@ class DiagConfig:
     Range [0, 3600]."""
     log_tail_lines: int = 200
     """Lines of each log (and of metrics.jsonl) that `rlslurm diag` puts into its bundle. Range [1, 1000000]."""
+    collective_trace_entries: int = 2000
+    """Collectives torch's flight recorder keeps per trainer rank (TORCH_FR_BUFFER_SIZE), served on a node-local
+    unix socket; on a hang the node agent reads every rank's to name the one behind, or the one that took
+    another collective, with the op and sequence number (diag/collectives.py). 0 = off. Range [0, 1000000]."""
     agent_idle_exit_s: float = 600.0
     """Seconds the node agent waits for a first running heartbeat of its node before it exits (ranks that
     died before their phase guard, or an entrance without one, must not leave it behind forever).
@@ -53,6 +57,7 @@ class DiagConfig:
         check_range(self.stack_dump_timeout_s, "stack_dump_timeout_s", 0, 3600, low_open=True, note="seconds")
         check_range(self.kill_grace_s, "kill_grace_s", 0, 3600, note="seconds")
         check_range(self.log_tail_lines, "log_tail_lines", 1, 1_000_000, note="lines")
+        check_range(self.collective_trace_entries, "collective_trace_entries", 0, 1_000_000, note="entries")
         check_range(self.agent_idle_exit_s, "agent_idle_exit_s", 0, 604_800, low_open=True, note="seconds")
 
     def timeout_for(self, phase: str | None) -> float:

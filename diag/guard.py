@@ -26,6 +26,9 @@ What it does, and why it is built this way:
 - An exception inside a phase becomes a `phase_failed` event with its traceback, and is re-raised.
 - The guard registers faulthandler on SIGURG (see diag/stack_dump.py): the dump of last resort where
   py-spy cannot attach.
+- A trainer rank's guard turns on torch's flight recorder and serves it on a node-local socket
+  (diag/collectives.py, `diag.collective_trace_entries`): built before the process group, it records every
+  collective from the first, and the node agent compares the ranks' records on a hang.
 """
 
 from __future__ import annotations
@@ -61,6 +64,11 @@ class PhaseGuard:
         self._fh_file = None
         if faulthandler_fallback:
             self._fh_file = register_faulthandler(faulthandler_path(run, role, rank))
+        self._recorder = None
+        if role == "train" and config.collective_trace_entries > 0:
+            from rlslurm.diag.collectives import serve
+
+            self._recorder = serve(run, role, rank, config.collective_trace_entries)
         self.heartbeat.update(phase="start", phase_timeout_s=config.timeout_for("start"), force=True)
 
     @property
@@ -118,6 +126,9 @@ class PhaseGuard:
             state = "failed"
         self.heartbeat.update(progress=False, state=state, phase=None)
         self.heartbeat.close()
+        if self._recorder is not None:
+            self._recorder.close()
+            self._recorder = None
         if self._fh_file is not None:
             faulthandler.unregister(FAULTHANDLER_SIGNAL)
             self._fh_file.close()

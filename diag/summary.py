@@ -10,7 +10,8 @@ events of the current attempt count (after the last `start` or `resume` event of
 earlier attempts are listed as evidence.
 
 Event kinds read (declared in rlslurm/events.py, emitted where the failure happens): env_diff (the
-controller's check before the first sync), phase_failed (diag/guard.py), hang_detected (diag/watchdog.py),
+controller's check before the first sync), phase_failed (diag/guard.py), hang_detected (diag/watchdog.py;
+a desync when its collective records show a rank that skipped or took another collective),
 sync_verify_failed / sync_failed (rlslurm/sync/protocol.py), engine_failed (the controller's engine
 calls), reward_service_down (rlslurm/reward/supervisor.py), done / sft_finished, start / resume. SLURM's
 state and the log tails cover what no process lives to say (OOM kill, node failure, time limit,
@@ -47,7 +48,7 @@ class Facts:
 @dataclass
 class Cause:
     kind: str
-    """oom, hang, sync_failure, engine_crash, reward_down, node_failure, time_limit, preempted,
+    """oom, desync, hang, sync_failure, engine_crash, reward_down, node_failure, time_limit, preempted,
     env_mismatch, exception, running, finished, unknown."""
     headline: str
     evidence: list[str] = field(default_factory=list)
@@ -124,9 +125,18 @@ def classify(facts: Facts) -> list[Cause]:
         coll = e.get("collective")
         waiting = ", ".join(e.get("waiting") or []) or "none"
         stuck = ", ".join(e.get("stuck") or []) or "none"
+        who = e.get("attribution") or {}
+        evidence = [str(e.get("message")), f"stacks: {e.get('stacks_dir')}"] + (
+            [f"collective records: {e['records']}"] if e.get("records") else [])
+        if who.get("verdict") in ("skipped", "desync"):
+            # The ranks took different collectives: the hang is its symptom, the rank that broke step is the cause.
+            causes.append(Cause("desync", f"collective desync: {who.get('message')}", evidence))
+            continue
         head = (f"hang in collective {coll} on ranks {waiting}, waiting on {stuck}" if e.get("collective")
                 else f"hang: no progress on {stuck}")
-        causes.append(Cause("hang", head, [str(e.get("message")), f"stacks: {e.get('stacks_dir')}"]))
+        if who.get("verdict") == "behind":
+            head += f" ({who.get('message')})"
+        causes.append(Cause("hang", head, evidence))
     # An engine that died fails the step's rollout or the sync stage in flight: name the engine first.
     engine = ev.select(now_events, ev.ENGINE_FAILED)
     hit = _grep(facts.logs, _ENGINE, lambda n: "rollout" in n or "engine" in n)
@@ -169,7 +179,13 @@ def classify(facts: Facts) -> list[Cause]:
                             [f"service log: {e.get('log')}"]))
     elif hit:
         causes.append(Cause("reward_down", f"reward service down: {hit[0]}: {hit[1].group(0)}"))
-    if state == "NODE_FAIL" or _grep(facts.logs, re.compile(r"NODE_FAIL|DUE TO NODE FAILURE")):
+    lost = ev.select(facts.events, ev.NODE_LOST)
+    if lost:
+        e = lost[-1]
+        causes.append(Cause("node_failure", f"node failure: {e.get('node')} lost ({e.get('state')}, reason: "
+                            f"{e.get('reason')}); SLURM requeued the job off it (restart {e.get('restart_count')})",
+                            [f"{x.get('node')}: {x.get('state')} ({x.get('reason')})" for x in lost]))
+    elif state == "NODE_FAIL" or _grep(facts.logs, re.compile(r"NODE_FAIL|DUE TO NODE FAILURE")):
         causes.append(Cause("node_failure", "node failure (SLURM NODE_FAIL)"))
     if state == "TIMEOUT" or _grep(facts.logs, re.compile(r"DUE TO TIME LIMIT")):
         causes.append(Cause("time_limit", "time limit reached (SLURM TIMEOUT)"))

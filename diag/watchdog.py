@@ -40,6 +40,7 @@ which signal.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import os
@@ -47,21 +48,26 @@ import signal
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import psutil
 
+from rlslurm.diag import collectives, nvidia_smi
+from rlslurm.diag.collectives import Attribution, RankRecord, attribute, fetch
 from rlslurm.diag.config import DiagConfig
 from rlslurm.diag.heartbeat import label, pid_alive, read_heartbeats
-from rlslurm.diag.stack_dump import StackDump, collective_in, dump_stack, top_frame
+from rlslurm.diag.stack_dump import StackDump, collective_in, dump_stack, process_state, top_frame
 from rlslurm.events import HANG_ACTION, HANG_DETECTED, emit
 from rlslurm.lifecycle import ExitCode
 from rlslurm.node import node_name
 from rlslurm.rundir import RunDir
 
 log = logging.getLogger("rlslurm.watchdog")
+
+_STOPPED = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
 
 def scontrol_requeue(job_id: str) -> str:
     """Requeue through the one SLURM seam (rlslurm.slurm.commands), imported only when needed."""
@@ -90,6 +96,10 @@ class Rank:
     timeout_s: float
     dump: StackDump | None = None
     stack_file: Path | None = None
+    state: str | None = None
+    """psutil's process status, read for every rank at one moment before any dump."""
+    records: str | None = None
+    """How reading its flight recorder went ("flight recorder", or why not)."""
 
     @property
     def hung(self) -> bool:
@@ -114,6 +124,7 @@ class HangReport:
     waiting: list[str] = field(default_factory=list)
     elsewhere: list[str] = field(default_factory=list)
     collective: str | None = None
+    attribution: Attribution | None = None
 
 
 class Watchdog:
@@ -123,8 +134,10 @@ class Watchdog:
                  clock: Callable[[], float] = time.time, sleep: Callable[[float], object] | None = None,
                  requeue: Callable[[str], object] = scontrol_requeue,
                  kill: Callable[[int, int], None] = os.kill, dump: Callable[..., StackDump] = dump_stack,
-                 job_id: str | None = None, parent_pid: int | None = None):
+                 job_id: str | None = None, parent_pid: int | None = None,
+                 state: Callable[[int], str] = process_state):
         self.run, self.config = run, config
+        self.state = state
         self.host = host or node_name()
         self.clock, self.requeue, self.kill, self.dump = clock, requeue, kill, dump
         self.job_id = job_id
@@ -170,23 +183,93 @@ class Watchdog:
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(self.clock()))
         stacks_dir = self.run.stacks / stamp
         stacks_dir.mkdir(parents=True, exist_ok=True)
+        # Every process state in one look, before any dump or record is taken: a stopped process (state T)
+        # is the stuck one whatever its stack or records show (SIGSTOP may have caught it inside the
+        # collective its peers now wait in), and two dumps taken moments apart cannot disagree about it.
+        for r in watched:
+            r.state = self.state(int(r.hb["pid"]))
+        stopped = [r for r in watched if r.state in _STOPPED]
+        records, notes, records_file = self._records(watched, stopped, stacks_dir)
+        attribution = attribute(records)
+        gpus = nvidia_smi.snapshot()  # None on a node without nvidia-smi
+        if gpus is not None:
+            (collectives.records_dir(self.run) / stacks_dir.name).mkdir(parents=True, exist_ok=True)
+            (collectives.records_dir(self.run) / stacks_dir.name / f"{self.host}-nvidia-smi.txt").write_text(gpus)
         for r in watched:
             self._dump(r, stacks_dir)
-        # A stopped process (state T) is the stuck one whatever its stack shows: SIGSTOP may have caught
-        # it inside the collective its peers now wait in. Any other rank found in a collective waits on
-        # the stuck one, even if its own timeout has a moment to go.
-        stopped = [r for r in watched if r.dump.state == "stopped"]
-        waiting = [r for r in watched if r not in stopped and collective_in(r.dump.text)]
-        elsewhere = [r for r in watched if r in stopped or (r.hung and r not in waiting)]
-        collective = next((collective_in(r.dump.text) for r in waiting), None)
-        report = HangReport(hung, watched, stacks_dir, _message(waiting, elsewhere),
-                            [r.name for r in waiting], [r.name for r in elsewhere], collective)
+            r.records = notes.get(r.name)
+            if r.dump.state in _STOPPED and r not in stopped:  # stopped between the look and its dump
+                r.state = r.dump.state
+                stopped.append(r)
+        # The records name the rank behind, or the one that took another collective, even where its stack
+        # shows a collective too; any other rank in a collective (recorded in flight, or on its stack) waits
+        # on them, even if its own timeout has a moment to go.
+        blamed = set(attribution.ranks) if attribution else set()
+        in_flight = {rec.name: last.op for rec in records if (last := rec.last()) is not None and not last.done}
+        waiting = [r for r in watched if r not in stopped and r.name not in blamed
+                   and (r.name in in_flight or collective_in(r.dump.text))]
+        elsewhere = [r for r in watched if r in stopped or r.name in blamed or (r.hung and r not in waiting)]
+        collective = next((c for r in waiting if (c := _collective(r, in_flight)) != "collective"),
+                          next((_collective(r, in_flight) for r in waiting), None))
+        message = _message(waiting, elsewhere)
+        if attribution is not None:
+            message += f"; collectives: {attribution.message}"
+        report = HangReport(hung, watched, stacks_dir, message, [r.name for r in waiting],
+                            [r.name for r in elsewhere], collective, attribution)
+        extra = {"records": str(records_file)} if records_file else {}
+        if attribution is not None:
+            extra["attribution"] = attribution.to_json()
         emit(self.run, HANG_DETECTED, role="watchdog", rank=None, host=self.host,
              message=report.message, collective=collective, waiting=report.waiting,
              stuck=report.elsewhere, policy=self.config.hang_policy, stacks_dir=str(stacks_dir),
-             ranks=[_rank_fields(r) for r in elsewhere + waiting])
+             ranks=[_rank_fields(r) for r in elsewhere + waiting], **extra)
         log.error("hang detected: %s (stacks in %s)", report.message, stacks_dir)
         return report
+
+    def _records(self, watched: list[Rank], stopped: list[Rank],
+                 stacks_dir: Path) -> tuple[list[RankRecord], dict[str, str], Path | None]:
+        """Every rank's flight recorder: this node's, read now (a stopped rank cannot answer), and other nodes'
+        as their agents wrote them for this hang (waited for a few polls at most: each agent sees the hang
+        when its own ranks pass their timeout). Written to the stacks of this hang and for the other agents."""
+        if self.config.collective_trace_entries <= 0:
+            return [], {}, None
+        timeout_s = min(5.0, self.config.stack_dump_timeout_s)
+        notes = {r.name: "not read: process stopped (state T)" for r in stopped}
+        live = [r for r in watched if r not in stopped]
+        with ThreadPoolExecutor(max_workers=max(1, len(live))) as pool:
+            answers = list(pool.map(lambda r: fetch(self.run, r.hb, timeout_s), live))
+        records = []
+        for r, (record, how) in zip(live, answers):
+            notes[r.name] = how
+            if record is not None:
+                records.append(record)
+        folder = collectives.records_dir(self.run)
+        mine = collectives.write(records, notes, folder / stacks_dir.name / f"{self.host}.json")
+        shared = folder / f"latest-{self.host}.json"
+        tmp = shared.with_name(f".{shared.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(mine.read_bytes())
+        os.replace(tmp, shared)
+        records += self._other_hosts(started=self.clock() - self.config.watch_interval_s * 4)
+        return records, notes, mine
+
+    def _other_hosts(self, started: float) -> list[RankRecord]:
+        """Records other nodes' agents wrote since `started`, for every host with a running heartbeat."""
+        hosts = {hb.get("host") for hb in read_heartbeats(self.run) if hb.get("state") == "running"} - {self.host}
+        deadline = self.clock() + 2 * self.config.watch_interval_s + 1.0
+        found: dict[str, list[RankRecord]] = {}
+        while True:
+            for host in sorted(hosts - set(found)):
+                path = collectives.records_dir(self.run) / f"latest-{host}.json"
+                with contextlib.suppress(OSError, ValueError, KeyError):
+                    if path.stat().st_mtime >= started:
+                        found[host] = collectives.read(path)
+            if set(found) >= hosts or self.clock() >= deadline:
+                break
+            self._grace_sleep(0.1)
+        if hosts - set(found):
+            log.info("no collective records of %s for this hang (their agents have not seen it)",
+                     ", ".join(sorted(hosts - set(found))))
+        return [r for rs in found.values() for r in rs]
 
     def _dump(self, r: Rank, stacks_dir: Path) -> None:
         from rlslurm.diag.guard import faulthandler_path
@@ -195,7 +278,8 @@ class Watchdog:
         fh = faulthandler_path(self.run, r.hb["role"], r.hb["rank"], self.host)
         r.dump = self.dump(pid, native=self.config.native_stacks,
                            timeout_s=self.config.stack_dump_timeout_s, faulthandler_file=fh)
-        state = "stopped (state T)" if r.dump.state == "stopped" else r.dump.state
+        stopped = r.state in _STOPPED or r.dump.state in _STOPPED
+        state = "stopped (state T)" if stopped else (r.state or r.dump.state)
         # Say the collective in words: DDP's gradient all-reduce shows only as c10d::Reducer frames.
         coll = collective_in(r.dump.text)
         head = (f"# {r.name} pid {pid} on {self.host}: phase {r.hb.get('phase')}, step {r.hb.get('step')}, "
@@ -301,9 +385,16 @@ def _create_time(pid: int) -> float | None:
 def _rank_fields(r: Rank) -> dict:
     return {"rank": r.name, "pid": r.hb.get("pid"), "host": r.hb.get("host"), "phase": r.hb.get("phase"),
             "step": r.hb.get("step"), "age_s": round(r.age_s, 2), "timeout_s": r.timeout_s,
-            "state": r.dump.state if r.dump else None, "collective": collective_in(r.dump.text) if r.dump else None,
+            "state": r.state or (r.dump.state if r.dump else None),
+            "collective": collective_in(r.dump.text) if r.dump else None, "records": r.records,
             "top_frame": top_frame(r.dump.text) if r.dump else None,
             "stack_file": str(r.stack_file) if r.stack_file else None}
+
+
+def _collective(r: Rank, in_flight: dict[str, str]) -> str | None:
+    """The collective a waiting rank is in: from its stack, else from its flight recorder's open entry."""
+    found = collective_in(r.dump.text) if r.dump else None
+    return found if found not in (None, "collective") else in_flight.get(r.name, found)
 
 
 def _message(waiting: list[Rank], elsewhere: list[Rank]) -> str:
@@ -311,13 +402,14 @@ def _message(waiting: list[Rank], elsewhere: list[Rank]) -> str:
     parts = []
     groups: dict[tuple, list[Rank]] = {}
     for r in waiting:
-        groups.setdefault((collective_in(r.dump.text), r.hb.get("phase"), r.hb.get("step")), []).append(r)
+        groups.setdefault((collective_in(r.dump.text) or "a collective", r.hb.get("phase"), r.hb.get("step")),
+                          []).append(r)
     for (coll, phase, step), rs in groups.items():
         n = f"{len(rs)} rank{'s' if len(rs) > 1 else ''}"
         where = f"of {rs[0].where()}" if phase else rs[0].where()
         parts.append(f"{n} in {coll} {where} ({', '.join(r.name for r in rs)})")
     for r in elsewhere:
-        stopped = ", process stopped (state T)" if r.dump and r.dump.state == "stopped" else ""
+        stopped = ", process stopped (state T)" if r.state in _STOPPED else ""
         at = top_frame(r.dump.text) if r.dump else None
         phase = r.hb.get("phase")
         where = f"in the {phase} phase step {r.hb.get('step')}" if phase else r.where()

@@ -145,12 +145,19 @@ def run_component(run_dir: str) -> int:
     from rlslurm.dist import Topology
 
     _export_local_ranks()
+    from rlslurm.dist import bind_to_node_address
+
+    bind_to_node_address()  # before any process group: every collective binds the address SLURM gives
     topo = Topology.detect()
     os.environ["RLSLURM_RANK"] = str(topo.rank)
     _record_placement(run, "train", topo.local_rank)
     from rlslurm.diag.env_diff import write_fingerprint
 
     write_fingerprint(run, "train", topo.rank)
+    if topo.is_main and leader_job_id():
+        from rlslurm.lifecycle import name_lost_nodes, restart_count
+
+        name_lost_nodes(run, restart_count())  # SLURM requeued us off a lost node: say which
     agent = start_node_agent(run, "train") if topo.local_rank == 0 else None
     steps = []
     if topo.is_main and "SLURM_HET_SIZE" in os.environ:
@@ -210,6 +217,9 @@ def main(run_dir: str, role: str) -> None:
     _record_placement(run, role, int(os.environ.get("SLURM_LOCALID", "0")))
     job = load_config(run.config)
     from rlslurm.diag.env_diff import write_fingerprint
+    from rlslurm.dist import bind_to_node_address
+
+    bind_to_node_address()  # the weight-sync group of an engine binds the address SLURM gives its node
 
     write_fingerprint(run, role, int(os.environ["RLSLURM_RANK"]))
     if job.job.kind == "rl" and role == "rollout":

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import math
 import os
 import random
@@ -55,6 +56,9 @@ STALL_ENV = "RLSLURM_TEST_STALL"
 """Test hook: `RANK@STEP[:sleep|spin]`: that rank stalls in the data phase of STEP while its peers wait in
 the step's all_reduce; sleep = in C (time.sleep), spin = a pure-Python loop. First start only (restart
 count 0): the requeued start must run through, or a hang test would hang forever."""
+SKIP_ENV = "RLSLURM_TEST_SKIP_COLLECTIVE"
+"""Test hook: `RANK@STEP`: that rank skips the loss all_reduce of STEP while its peers enter it (a desync: its
+next collective meets theirs out of order and every rank hangs). First start only, like STALL_ENV."""
 FAIL_ENV = "RLSLURM_TEST_FAIL_AT_STEP"
 """Test hook: rank 0 raises RuntimeError in the train phase of this step, on every start (a failed job)."""
 ECHO_ENV = "RLSLURM_TEST_ECHO_ENV"
@@ -68,6 +72,7 @@ class Faults:
 
     stall_step: int | None = None
     stall_mode: str = "sleep"
+    skip_step: int | None = None
     fail_step: int | None = None
     echo: tuple[str, ...] = ()
 
@@ -82,8 +87,14 @@ class Faults:
             if mode not in ("sleep", "spin") or not who.isdigit() or not step.isdigit():
                 raise ValueError(f"{STALL_ENV}={spec!r} must look like RANK@STEP[:sleep|spin]")
             stall_step = int(step) if int(who) == rank else None
+        skip_step, skip = None, env.get(SKIP_ENV, "")
+        if skip and restarts == 0:
+            who, _, step = skip.partition("@")
+            if not who.isdigit() or not step.isdigit():
+                raise ValueError(f"{SKIP_ENV}={skip!r} must look like RANK@STEP")
+            skip_step = int(step) if int(who) == rank else None
         fail = env.get(FAIL_ENV)
-        return cls(stall_step=stall_step, stall_mode=mode,
+        return cls(stall_step=stall_step, stall_mode=mode, skip_step=skip_step,
                    fail_step=int(fail) if fail and rank == 0 else None,
                    echo=tuple(n for n in env.get(ECHO_ENV, "").split(",") if n) if rank == 0 else ())
 
@@ -97,6 +108,21 @@ class Faults:
             time.sleep(3600)  # in C: a data loader blocked in a read that never returns
         while time.monotonic() < until:  # spin: busy in Python bytecode, the stack shows this very frame
             pass
+
+    def skips(self, run: RunDir, step: int) -> bool:
+        """Whether this rank skips the loss all_reduce of `step`; the event names the sequence number it skips
+        (one past the last collective of the default group in this process's flight recorder)."""
+        if step != self.skip_step:
+            return False
+        from rlslurm.diag.collectives import DEFAULT_GROUP, parse
+        from torch._C._distributed_c10d import _dump_fr_trace_json
+
+        last = parse("self", json.loads(_dump_fr_trace_json(True, False))).last(DEFAULT_GROUP)
+        seq = last.seq + 1 if last is not None else None
+        events.emit(run, events.FAULT_INJECTED, fault="skip_collective", step=step, mode="all_reduce",
+                    op="all_reduce", seq=seq)
+        print(f"{SKIP_ENV}: skipping the loss all_reduce #{seq} of step {step}", flush=True)
+        return True
 
     def fail(self, step: int) -> None:
         if step == self.fail_step:
@@ -152,15 +178,19 @@ class ToyTrainer:
         noise = torch.from_numpy(np.random.normal(0.0, 0.01, size=(self.per_rank, 1)).astype(np.float32))
         return self.x[idx], self.y[idx] + noise
 
-    def step(self, batch: tuple[torch.Tensor, torch.Tensor], beat=lambda: None) -> float:
-        """One optimizer step (DDP all-reduces the gradients inside backward); the loss averaged over ranks."""
+    def step(self, batch: tuple[torch.Tensor, torch.Tensor], beat=lambda: None, skip_reduce=lambda: False) -> float:
+        """One optimizer step (DDP all-reduces the gradients inside backward); the loss averaged over ranks
+        (where `skip_reduce()` says so: this rank's own loss, its peers left in the all_reduce: the desync hook)."""
         loss = torch.nn.functional.mse_loss(self.model(batch[0]), batch[1])
         self.optimizer.zero_grad()
         loss.backward()
         beat()
         self.optimizer.step()
         mean = loss.detach().clone()
-        dist.all_reduce(mean)
+        if skip_reduce():
+            mean *= self.topo.world_size
+        else:
+            dist.all_reduce(mean)
         beat()
         return mean.item() / self.topo.world_size
 
@@ -203,7 +233,8 @@ def train(run_dir: str | Path, cfg: JobConfig, *, step_delay_s: float = 0.0, tim
     try:
         # Guarded from before the rendezvous: a rank that never joins shows up stuck in phase "start".
         with PhaseGuard(run, "train", topo.rank, cfg.diag, gate=gate, job_id=lifecycle.leader_job_id()) as guard:
-            init_process_group(topo, backend="gloo")  # the toy model computes on the CPU wherever it runs
+            # The toy model computes on the CPU wherever it runs; its collectives wait train.dist_timeout_s.
+            init_process_group(topo, timeout_s=cfg.train.dist_timeout_s, backend="gloo")
             try:
                 code = _train(run, cfg, topo, gate, guard, step_delay_s, time_limit_s, requeue)
                 # Leave together: a rank tearing gloo down while its peer still talks to the store (hosted
@@ -269,7 +300,7 @@ def _train(run, cfg, topo, gate, guard, step_delay_s, time_limit_s, requeue) -> 
             faults.stall(run, step + 1)
         with guard.phase("train", step=step + 1):
             faults.fail(step + 1)
-            loss = trainer.step(batch, beat=guard.beat)
+            loss = trainer.step(batch, beat=guard.beat, skip_reduce=lambda: faults.skips(run, step + 1))
         step += 1
         policy.observe_step(time.monotonic() - started)
         if topo.is_main:

@@ -69,8 +69,10 @@ _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 class CheckpointConfig:
     interval_steps: int | None = None
     """Steps between periodic checkpoints; null = Young/Daly from the measured cost and mtbf_h. Range [1, 1e8]."""
-    cost_s: float = 490.0
-    """Seconds one checkpoint costs, until measured (C in Young/Daly; the lecture's 490 s). Range [0, 1000000]."""
+    cost_s: float = 60.0
+    """Seconds one checkpoint costs, until measured (C in Young/Daly; the lecture's is 490 s). A drain on the
+    pre-timeout signal must fit one step and C in cluster.signal_before_s (90 s by default): the lecture's C
+    as a default would lose every drain checkpoint of a job that does not set it. Range [0, 1000000]."""
     mtbf_h: float = 24.0
     """Mean time between failures of the whole job, in hours (M in Young/Daly). Range (0, 1000000]."""
     keep: int = 2

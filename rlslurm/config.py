@@ -111,13 +111,17 @@ class JobConfig:
             for key, message in job_rules(self):
                 raise FieldError(key, message)
         m = self.model
-        for rule in static_rules(self.parallel, m.layers, m.heads, m.n_kv_heads, m.experts, hw.gpus_per_node,
-                                 self.rollout.tp):
-            raise FieldError(rule.keys[0], rule.message)
+        rules = [(r.keys, r.message) for r in static_rules(self.parallel, m.layers, m.heads, m.n_kv_heads,
+                                                             m.experts, hw.gpus_per_node, self.rollout.tp)]
         world = self.train_gpus()
         if world is not None:
-            for rule in world_rules(self.parallel, world):
-                raise FieldError(rule.keys[0], rule.message + self._split_note())
+            rules += [(r.keys, r.message + self._split_note()) for r in world_rules(self.parallel, world)]
+        if len(rules) == 1:
+            raise FieldError(rules[0][0][0], rules[0][1])
+        if rules:  # all of them at once: a layout is fixed once, not once per rule
+            keys = list(dict.fromkeys(keys[0] for keys, _ in rules))
+            raise FieldError(keys[0], f"{', '.join(keys)}: {len(rules)} parallel rules are broken: "
+                                      + "; ".join(f"({n}) {message}" for n, (_, message) in enumerate(rules, 1)))
 
     def train_gpus(self) -> int | None:
         """Training GPUs of the configured split; None while the plan has yet to choose it."""

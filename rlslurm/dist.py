@@ -79,7 +79,7 @@ def _first_slurm_node(e) -> str | None:
 
 def node_address(node: str) -> str:
     """An address of a SLURM node that peers can connect to: its resolvable name, else slurmd's NodeAddr
-    (on the local test cluster every node is 127.0.0.1 and no name resolves)."""
+    (on the local test cluster each node's own address in its network namespace; no name resolves)."""
     import socket
 
     try:
@@ -93,6 +93,33 @@ def node_address(node: str) -> str:
         if record.get("NodeAddr"):
             return record["NodeAddr"]
     return node
+
+
+def interface_of(address: str) -> str | None:
+    """The local network interface holding `address`, or None (an address of another machine, or a name)."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == address for a in addrs):
+            return name
+    return None
+
+
+def bind_to_node_address(env=None) -> str | None:
+    """Make gloo and NCCL bind the address SLURM gives this node (its NodeAddr, see node_address): both pick an
+    interface from the machine's hostname by default, and where it resolves to loopback (a container, a
+    test cluster whose nodes live in network namespaces) they bind 127.0.0.1 and peers on other nodes never
+    reach them. Sets GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME unless the job set them; returns the
+    interface, or None off SLURM or where the node's address is on no local interface."""
+    e = os.environ if env is None else env
+    node = e.get("SLURMD_NODENAME")
+    if not node:
+        return None
+    iface = interface_of(node_address(node))
+    if iface is not None:
+        e.setdefault("GLOO_SOCKET_IFNAME", iface)
+        e.setdefault("NCCL_SOCKET_IFNAME", iface)
+    return iface
 
 
 def backend_for_device() -> str:

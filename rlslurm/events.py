@@ -136,13 +136,17 @@ PHASE_FAILED = declare("phase_failed", "a Python exception left a phase of a pro
                        by="diag/guard.py", required=("phase", "step", "error", "traceback"))
 HANG_DETECTED = declare("hang_detected", "the watchdog found ranks without progress past their phase timeout",
                         by="diag/watchdog.py",
-                        required=("message", "collective", "waiting", "stuck", "policy", "stacks_dir", "ranks"))
+                        required=("message", "collective", "waiting", "stuck", "policy", "stacks_dir", "ranks"),
+                        optional=("attribution", "records"))
 HANG_ACTION = declare("hang_action", "what the watchdog did about a hang (dump, requeue, fail)",
                       by="diag/watchdog.py", required=("action", "policy"), open_fields=True)
 ENV_DIFF = declare("env_diff", "the controller's env-fingerprint check before the first sync found differences",
                    by="rlslurm/rl/controller.py", required=("report", "ok"))
+NODE_LOST = declare("node_lost", "a restart found a node of the previous attempt gone in SLURM (DOWN, not "
+                    "responding, drained): the node the job lost, and SLURM's reason", by="rlslurm/lifecycle.py",
+                    required=("node", "state", "reason", "restart_count"))
 FAULT_INJECTED = declare("fault_injected", "a test hook of the toy job injected a fault", by="jobs/toytrain.py",
-                         required=("fault", "step", "mode"), informational=True)
+                         required=("fault", "step", "mode"), optional=("op", "seq"), informational=True)
 
 # -- RL: engines, weight sync, steps -------------------------------------------------------------------
 

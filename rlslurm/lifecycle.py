@@ -117,6 +117,33 @@ def on_start(run: RunDir, restart_count: int, *, step: int, checkpoint: str | No
     return StartDecision(True, fruitless)
 
 
+_LOST_STATES = ("DOWN", "NOT_RESPONDING", "FAIL", "DRAIN", "NO_RESPOND")
+
+
+def name_lost_nodes(run: RunDir, restart_count: int, show_node: Callable[[str], list[dict]] | None = None) -> list[dict]:
+    """On a restart: the nodes the previous attempt ran on (placement.jsonl) that SLURM now holds DOWN, not
+    responding or drained, each as a `node_lost` event (node, SLURM's state and reason). SLURM requeued the
+    job off them (a lost node is NODE_FAIL); this says which node it was, for `rlslurm diag` and people."""
+    if restart_count <= 0:
+        return []
+    if show_node is None:
+        from rlslurm.slurm.commands import show_node
+    before = {p["node"] for p in read_jsonl(run.path / "placement.jsonl")
+              if p.get("restart_count") == restart_count - 1 and p.get("node")}
+    lost = []
+    for node in sorted(before):
+        try:
+            record = (show_node(node) or [{}])[0]
+        except SlurmCommandError as e:  # a node SLURM no longer knows is lost too; say why
+            record = {"State": "UNKNOWN", "Reason": str(e)}
+        state = record.get("State", "")
+        if any(s in state for s in _LOST_STATES):
+            lost.append({"node": node, "state": state, "reason": record.get("Reason") or "none given",
+                         "restart_count": restart_count})
+            events.emit(run, events.NODE_LOST, **lost[-1])
+    return lost
+
+
 def agree_on_start(run: RunDir, *, is_main: bool, max_no_progress_restarts: int,
                    restarts: int | None = None) -> tuple[str | None, bool]:
     """Collective, at every start of a job with a torch.distributed world: rank 0 picks the newest

@@ -32,9 +32,10 @@ class TrainConfig:
     """Steps of linear warmup from 0 to train.lr (SFT), fewer than train.steps. Range [0, 1e8]."""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay. Range [0, 10]."""
-    dist_timeout_s: float = 120.0
-    """Seconds a rank waits for its peers in the process group (join and collectives) before failing.
-    Range (0, 86400]."""
+    dist_timeout_s: float = 1800.0
+    """Seconds a rank waits for its peers in the process group (join and collectives) before failing; it must
+    outlast the watchdog (the longest trainer phase timeout of diag + one poll), which names the hung rank
+    while its peers still wait (torch's own default, 1,800 s). Range (0, 86400]."""
     step_delay_s: float = 0.0
     """Idle seconds per step standing in for compute (toy, sft and rl jobs), so spine tests can signal mid-run.
     Range [0, 3600]."""

@@ -1,10 +1,15 @@
-"""`rlslurm plan config.yaml`: the arithmetic before the GPUs (see rlslurm/plan/report.py)."""
+"""`rlslurm plan config.yaml`: the arithmetic before the GPUs (see rlslurm/plan/report.py).
+
+Exit codes: 0 the plan's pre-flight accepts the job; 3 (PreflightError) it refuses, after printing the
+whole plan (text or --json) with every reason; 2 the config does not load.
+"""
 
 from __future__ import annotations
 
 import click
 
 from rlslurm.config import load_config
+from rlslurm.errors import PreflightError
 
 
 @click.command("plan")
@@ -14,7 +19,12 @@ from rlslurm.config import load_config
 @click.option("--explain", is_flag=True, help="Show the terms behind each number.")
 def command(config: str, overrides: tuple[str, ...], as_json: bool, explain: bool) -> None:
     """Per-GPU memory per split, divisibility, placement, sync, roofline, step time, checkpoint interval."""
-    from rlslurm.plan.report import build_plan, render_json, render_text
+    from rlslurm.plan.report import build_plan, preflight, render_json, render_text
 
     plan = build_plan(load_config(config, overrides))
     click.echo(render_json(plan) if as_json else render_text(plan, explain=explain), nl=False)
+    problems = preflight(plan)
+    if problems:
+        where = "preflight_problems" if as_json else "the `preflight: REFUSE` lines"
+        raise PreflightError(f"{config}: the pre-flight refuses this job ({len(problems)} problem(s), listed in "
+                             f"{where} above); rlslurm submit would refuse it too")

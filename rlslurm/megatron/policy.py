@@ -1,14 +1,16 @@
 """`train.backend = megatron`: the RL policy on Megatron-core (GPU only), beside rlslurm/rl/policy.py's torch Policy.
 
     policy = MegatronPolicy(job, topo, model_dir)      # rlslurm/rl/policy.py's make_policy picks it by train.backend
-    stats = policy.update(samples, guard)              # one clipped GRPO step; peak GPU memory in the stats
+    stats = policy.update(samples, guard)              # rl.mini_batches clipped GRPO steps; peak GPU memory in the stats
     weights = policy.weights()                         # rank 0: {HF name: fp32 tensor}, what the engines serve
 
 The same interface as the torch Policy, so the RL loop does not know which one trains:
-  - `update(samples, guard)` makes the same clipped, sequence-mean GRPO objective (`grpo_objective`,
-    tests/integration/test_megatron_policy.py holds it to the torch Policy's loss) through Megatron's
-    DDP, distributed optimizer and schedule (rlslurm/megatron/trainer.py). Every rank takes the optimizer
-    step, also one whose share is empty (a zero-weight row stands in), so no rank's weights fall behind.
+  - `update(samples, guard)` makes the same clipped, sequence-mean GRPO objective (rlslurm/rl/objective.py)
+    on the same split (rlslurm/rl/batches.py: rl.mini_batches optimizer steps, forwards of
+    parallel.micro_batch_size; tests/integration/test_megatron_policy.py holds it to the torch Policy's
+    loss) through Megatron's DDP, distributed optimizer and schedule (rlslurm/megatron/trainer.py). Every
+    rank takes every optimizer step, also one where its share is empty (a zero-weight row stands in), so
+    no rank's weights fall behind.
   - `weights()` are the HF-named tensors of convert.export_hf, gathered over TP by every rank at the end
     of `update` (the RL loop asks rank 0 alone, and export_hf is collective) and kept on rank 0's GPU as
     fp32, the dtype the engines serve (rollout server's --dtype float32) and VERIFY compares.
@@ -20,17 +22,16 @@ The model's shape is read from the checkpoint's config.json (what train.init_fro
 wrote), with its RMSNorm epsilon; precision, recompute and the distributed optimizer follow `memory:`,
 so the plan's memory prediction describes the trainer that runs (bench/gpu_smoke.py compares them).
 
-What runs where: the CUDA check (`require_cuda`), the config rules (`job_rules`), the sample packing
-and the objective are plain torch and are tested on CPU; the model's log-probabilities through
-`token_logprobs` run on CPU too (Megatron's model has CPU shims). DDP, the optimizer and the schedule
-are CUDA-only: `update` has run on no GPU yet (docs/gpu.md).
+What runs where: the CUDA check (`require_cuda`), the config rules (`job_rules`), the split (`prepare`),
+the forward step and the objective are plain torch and are tested on CPU; the model's log-probabilities
+through `token_logprobs` run on CPU too (Megatron's model has CPU shims). DDP, the optimizer and the
+schedule are CUDA-only: `update` has run on no GPU yet (docs/gpu.md).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -41,7 +42,9 @@ from rlslurm.dist import bind_local_gpu
 from rlslurm.errors import ConfigError, RlslurmError
 from rlslurm.modelspec import ModelConfig
 from rlslurm.node import node_name
+from rlslurm.rl.batches import micro_batch_counts, micro_batches, mini_batches, share_sizes
 from rlslurm.rl.experience import Sample
+from rlslurm.rl.objective import Packed, UpdateStats, behaviour_logprobs, grpo_objective, pack
 from rlslurm.rl.policy import RLPolicy
 
 log = logging.getLogger(__name__)
@@ -64,6 +67,9 @@ def job_rules(job) -> list[tuple[str, str]]:
         if value != 1:
             rules.append((f"parallel.{key}", "must be 1 with train.backend = 'megatron': its RL policy splits over "
                                              "TP and data parallel only so far (parallel.pp = cp = ep = 1)"))
+    if job.parallel.etp not in (None, job.parallel.tp):
+        rules.append(("parallel.etp", "must be null (= parallel.tp) with train.backend = 'megatron': its RL policy "
+                                      "trains dense models only so far"))
     if job.memory.weight_bytes not in (2.0, 4.0):
         rules.append(("memory.weight_bytes", "must be 2 (bf16 weights, fp32 master copy) or 4 (fp32) with "
                                              "train.backend = 'megatron'"))
@@ -116,72 +122,7 @@ def hf_model_spec(model_dir: str | Path) -> tuple[ModelConfig, float]:
     return spec, float(cfg.get("rms_norm_eps", 1e-6))
 
 
-# -- the objective, on plain tensors ----------------------------------------------------------------------
-
-@dataclass
-class Packed:
-    """Samples as tensors, column t scoring token t + 1 (the torch Policy's layout)."""
-
-    tokens: torch.Tensor
-    """[n, w-1] input ids."""
-    labels: torch.Tensor
-    """[n, w-1] the next token of each position."""
-    mask: torch.Tensor
-    """[n, w-1] 1.0 where the label is a response token."""
-    advantages: torch.Tensor
-    """[n, 1]."""
-    engine_logprobs: torch.Tensor
-    """[n, w-1] the engine's log-probabilities at stale samples' response positions, else 0."""
-    stale: torch.Tensor
-    """[n, 1] 1.0 for a sample older than the trainer (its behaviour policy is the engine's)."""
-    samples: int
-    """Real samples (0: one zero-weight row stands in, so the rank still joins the step)."""
-
-    def rows(self, start: int, stop: int) -> "Packed":
-        cut = slice(start, stop)
-        return Packed(self.tokens[cut], self.labels[cut], self.mask[cut], self.advantages[cut],
-                      self.engine_logprobs[cut], self.stale[cut], self.samples)
-
-    def to(self, device) -> "Packed":
-        return Packed(*(t.to(device) for t in (self.tokens, self.labels, self.mask, self.advantages,
-                                                self.engine_logprobs, self.stale)), self.samples)
-
-
-def pack(samples, pad_id: int) -> Packed:
-    """Right-padded tensors of `samples` (rlslurm/rl/experience.py's Sample); an empty list gives one zero-weight row."""
-    width = max([len(s.prompt_ids) + len(s.response_ids) for s in samples] + [2])
-    n = max(len(samples), 1)
-    ids = torch.full((n, width), pad_id, dtype=torch.long)
-    mask = torch.zeros((n, width - 1))
-    engine = torch.zeros((n, width - 1))
-    adv, stale = torch.zeros((n, 1)), torch.zeros((n, 1))
-    for i, s in enumerate(samples):
-        seq = s.prompt_ids + s.response_ids
-        ids[i, : len(seq)] = torch.tensor(seq)
-        start = len(s.prompt_ids) - 1  # position t predicts token t + 1
-        mask[i, start: len(seq) - 1] = 1.0
-        adv[i, 0] = s.advantage
-        if s.staleness > 0:
-            stale[i, 0] = 1.0
-            engine[i, start: start + len(s.engine_logprobs)] = torch.tensor(s.engine_logprobs)
-    return Packed(ids[:, :-1].contiguous(), ids[:, 1:].contiguous(), mask, adv, engine, stale, len(samples))
-
-
-def behaviour_logprobs(batch: Packed, old: torch.Tensor) -> torch.Tensor:
-    """pi_behaviour per position: the trainer's own (`old`) for a fresh sample, the engine's for a stale one."""
-    return torch.where(batch.stale.bool() & (batch.mask > 0), batch.engine_logprobs.to(old.dtype), old)
-
-
-def grpo_objective(new: torch.Tensor, behaviour: torch.Tensor, batch: Packed, clip_eps: float,
-                   samples: int) -> torch.Tensor:
-    """The torch Policy's loss, summed over `batch`'s rows and divided by `samples` (the rank's share):
-    micro-batches of one share add up to -mean over its samples of the sequence-mean clipped surrogate."""
-    ratio = torch.exp(new - behaviour)
-    adv = batch.advantages
-    surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv)
-    per_seq = batch.mask.sum(1).clamp(min=1.0)
-    return -((surrogate * batch.mask).sum(1) / per_seq).sum() / max(samples, 1)
-
+# -- the model's log-probabilities (the objective itself is rlslurm/rl/objective.py's, shared with torch) --
 
 def token_logprobs(gpt, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """log p(labels[:, t] | tokens[:, :t+1]) from a Megatron GPTModel (PP = 1); collective over its TP group."""
@@ -254,98 +195,121 @@ class MegatronPolicy(RLPolicy):
         return [s for share in shares for s in share]
 
     def update(self, samples: list[Sample], guard: PhaseGuard, *, step_total: int | None = None) -> dict:
-        """One clipped GRPO step on this rank's share (same objective as rlslurm/rl/policy.py's Policy.update);
-        `step_total` = 0: no rank has a sample, every rank skips (None: the ranks count it here)."""
+        """Clipped GRPO updates on this rank's share, split as rlslurm/rl/policy.py's Policy.update splits
+        them (rlslurm/rl/batches.py: rl.mini_batches optimizer steps of parallel.micro_batch_size forward
+        passes, the same objective); `step_total` = 0: no rank has a sample, every rank skips (None: the
+        ranks count it here)."""
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        from rlslurm.tokenizer import PAD_ID
 
         # The last version's fp32 copy goes first (the engines have it): the peak measured below is the
         # trainer's own step, what the plan's trainer peak predicts (plus a sync transport's buffers).
         self._hf = {}
         torch.cuda.reset_peak_memory_stats()
-        clip = self.job.rl.clip_eps
+        job, device = self.job, torch.cuda.current_device()
         local = self._data_parallel_share(samples)
-        batch = pack(local, PAD_ID).to(torch.cuda.current_device())
-        micro = max(1, self.job.parallel.micro_batch_size)
-        chunks = [batch.rows(i, i + micro) for i in range(0, batch.tokens.shape[0], micro)]
-        # Every DP rank runs as many micro-batches (zero-weight ones pad a short share) and every rank takes
-        # the step unless no rank has a sample: the distributed optimizer's gathers are collective.
         if step_total is None:
-            anyone = torch.tensor([len(samples)], device=batch.tokens.device)
+            anyone = torch.tensor([len(samples)], device=device)
             dist.all_reduce(anyone, op=dist.ReduceOp.SUM)
             step_total = int(anyone.item())
         if step_total == 0:  # no rank has a sample: no step anywhere, the weights stay as they are
             memory = _memory_stats()
             self._export()
-            return {"loss": 0.0, "tokens": 0, "kl": 0.0, "grad_norm": 0.0, **memory}
-        most = torch.tensor([len(chunks)], device=batch.tokens.device)
-        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
-        while len(chunks) < most.item():
-            chunks.append(_zero_rows(chunks[0]))
-        with torch.no_grad():
-            old = [token_logprobs(self.gpt, c.tokens, c.labels) for c in chunks]
-        behaviour = [behaviour_logprobs(c, o) for c, o in zip(chunks, old)]
+            return {"loss": 0.0, "tokens": 0, "kl": 0.0, "grad_norm": 0.0, "mini_batches": 0, **memory}
+        # A TP group trains on the union of its ranks' shares (`_data_parallel_share`): its DP rank's share.
+        tp, dp = self.layout.tp, self.topo.world_size // self.layout.tp
+        dealt = share_sizes(step_total, self.topo.world_size)
+        sizes = [sum(dealt[d * tp:(d + 1) * tp]) for d in range(dp)]
+        parts, chunks, behaviour, stats = prepare(
+            local, sizes, self.topo.rank // tp, job, lambda c: token_logprobs(self.gpt, c.tokens, c.labels), device)
         guard.beat()
-        stats = _sample_stats(chunks, old, behaviour, local, clip)
-
-        def forward_step(data_iterator, model):
-            chunk, behave = next(data_iterator)
-            seq = chunk.tokens.shape[1]
-            positions = torch.arange(seq, device=chunk.tokens.device).unsqueeze(0).expand_as(chunk.tokens)
-            causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=chunk.tokens.device), diagonal=1)
-            nll = model(chunk.tokens, positions, causal[None, None], labels=chunk.labels)
-            return nll, partial(_loss, chunk, behave, clip, batch.samples, len(chunks))
-
-        self.ddp.zero_grad_buffer()
-        self.megatron_optimizer.zero_grad()
-        seq = batch.tokens.shape[1]
-        reduced = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(list(zip(chunks, behaviour))), model=[self.ddp],
-            num_microbatches=len(chunks), seq_length=seq, micro_batch_size=micro, decoder_seq_length=seq,
-            forward_only=False)
-        _updated, grad_norm, _ = self.megatron_optimizer.step()
-        self.steps += 1
-        guard.beat()
+        loss = 0.0
+        for part, part_chunks, behave in zip(parts, chunks, behaviour):
+            if part.total:  # else: no DP rank has a sample in this mini-batch, none steps
+                loss += self._step(part_chunks, behave, part.total / dp, stats)
+                guard.beat()
         memory = _memory_stats()  # before the export adds the fp32 copy for the engines
         self._export()
-        loss = float(sum(r["loss"] for r in reduced)) if reduced else float("nan")
-        return {"loss": loss, "kl": 0.0, "grad_norm": float(grad_norm or 0.0), **stats, **memory}
+        steps = len(stats.grad_norms)
+        total = torch.tensor([loss], dtype=torch.float64, device=device)
+        dist.all_reduce(total, group=ps.get_data_parallel_group())  # each DP rank's share of the mean
+        return {"loss": float(total.item()) / max(steps, 1), "kl": 0.0, "mini_batches": steps, **stats.result(),
+                **memory}
+
+    def _step(self, chunks: list[Packed], behaviour: list[torch.Tensor], divisor: float, stats: UpdateStats) -> float:
+        """One optimizer step over `chunks` (the same count on every DP rank) through Megatron's schedule;
+        returns this rank's share of the mini-batch's loss (the loss / DP size)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        forward_step = partial(_forward_step, self.job.rl.clip_eps, divisor, len(chunks), stats)
+        self.ddp.zero_grad_buffer()
+        self.megatron_optimizer.zero_grad()
+        seq = chunks[0].tokens.shape[1]
+        reduced = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(list(zip(chunks, behaviour))), model=[self.ddp],
+            num_microbatches=len(chunks), seq_length=seq, micro_batch_size=self.job.parallel.micro_batch_size,
+            decoder_seq_length=seq, forward_only=False)
+        _updated, grad_norm, _ = self.megatron_optimizer.step()
+        self.steps += 1
+        stats.grad_norms.append(float(grad_norm or 0.0))
+        dp = self.topo.world_size // self.layout.tp
+        return float(sum(r["loss"] for r in reduced)) / dp if reduced else float("nan")
+
+
+def prepare(local: list[Sample], sizes: list[int], dp_rank: int, job, logprobs, device):
+    """This DP rank's mini-batches (rlslurm/rl/batches.py), each as the micro-batches Megatron's schedule
+    runs (as many on every DP rank), with the behaviour log-probs taken once, before the first optimizer
+    step, by `logprobs(chunk)`: (parts, chunks, behaviour, stats). Plain torch: runs on CPU too."""
+    from rlslurm.tokenizer import PAD_ID
+
+    micro = job.parallel.micro_batch_size
+    parts = mini_batches(local, sizes, dp_rank, job.rl.mini_batches)
+    stats = UpdateStats()
+    chunks, behaviour = [], []
+    with torch.no_grad():
+        for part, count in zip(parts, micro_batch_counts(sizes, job.rl.mini_batches, micro)):
+            chunks.append(split_rows(pack(part.samples, PAD_ID).to(device), micro, count))
+            behaviour.append([])
+            for rows, chunk in zip(micro_batches(part.samples, micro), chunks[-1]):
+                old = logprobs(chunk)
+                behaviour[-1].append(behaviour_logprobs(chunk, old))
+                stats.observe(rows, chunk, old, behaviour[-1][-1])
+            behaviour[-1] += [torch.zeros_like(c.mask) for c in chunks[-1][len(behaviour[-1]):]]
+    return parts, chunks, behaviour, stats
+
+
+def _forward_step(clip: float, divisor: float, micro_batches: int, stats: UpdateStats, data_iterator, model):
+    """Megatron's forward_step_func: the model's per-token loss of one micro-batch, and the objective on it."""
+    chunk, behave = next(data_iterator)
+    seq = chunk.tokens.shape[1]
+    positions = torch.arange(seq, device=chunk.tokens.device).unsqueeze(0).expand_as(chunk.tokens)
+    causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=chunk.tokens.device), diagonal=1)
+    nll = model(chunk.tokens, positions, causal[None, None], labels=chunk.labels)
+    return nll, partial(_loss, chunk, behave, clip, divisor, micro_batches, stats)
+
+
+def split_rows(batch: Packed, size: int, count: int) -> list[Packed]:
+    """`batch` in `count` micro-batches of at most `size` rows, zero-weight rows standing in for the ones a
+    short share lacks (every DP rank runs as many through Megatron's schedule)."""
+    chunks = [batch.rows(i, i + size) for i in range(0, batch.samples, size)]
+    return chunks + [_zero_rows(batch) for _ in range(count - len(chunks))]
 
 
 def _zero_rows(like: Packed) -> Packed:
     """One row that weighs nothing: pads a DP rank's micro-batches to its peers' count."""
     return Packed(like.tokens[:1].clone(), like.labels[:1].clone(), torch.zeros_like(like.mask[:1]),
                   torch.zeros_like(like.advantages[:1]), torch.zeros_like(like.engine_logprobs[:1]),
-                  torch.zeros_like(like.stale[:1]), like.samples)
+                  torch.zeros_like(like.stale[:1]), like.lengths[:1].clone(), like.samples)
 
 
-def _loss(chunk: Packed, behaviour: torch.Tensor, clip: float, samples: int, micro_batches: int, nll: torch.Tensor):
-    # Megatron divides a 2-tuple loss by the number of micro-batches; the objective is already a share of
-    # the rank's sum, so that division is undone here.
-    loss = grpo_objective(-nll.float(), behaviour, chunk, clip, samples)
+def _loss(chunk: Packed, behaviour: torch.Tensor, clip: float, divisor: float, micro_batches: int,
+          stats: UpdateStats, nll: torch.Tensor):
+    # Megatron divides a 2-tuple loss by the number of micro-batches; the objective is already this chunk's
+    # share of the mini-batch's mean (x DP size, which Megatron's DDP averages away), so that division is undone.
+    new = -nll.float()
+    loss = grpo_objective(new, behaviour, chunk, clip, divisor)
+    stats.clip(new, behaviour, chunk, clip)
     return loss * micro_batches, {"loss": loss.detach()}
-
-
-def _sample_stats(chunks, old, behaviour, local, clip: float) -> dict:
-    """The torch Policy's diagnostics: tokens, engine/trainer gap on fresh samples, clip fraction, drift."""
-    mask = torch.cat([c.mask for c in chunks])[: max(len(local), 1)]
-    old_all = torch.cat(old)[: mask.shape[0]]
-    behave = torch.cat(behaviour)[: mask.shape[0]]
-    tokens = mask.sum().clamp(min=1.0)
-    gap = 0.0
-    for i, s in enumerate(local):
-        if s.staleness == 0 and s.engine_logprobs:
-            start = len(s.prompt_ids) - 1
-            trainer = old_all[i, start: start + len(s.engine_logprobs)].cpu()
-            gap = max(gap, float((trainer - torch.tensor(s.engine_logprobs)).abs().max()))
-    ratio = torch.exp(old_all - behave)
-    clip_fraction = float((((ratio - 1).abs() > clip).float() * mask).sum() / tokens)
-    drift = float(((old_all - behave).abs() * mask).sum() / tokens)
-    return {"tokens": int(mask.sum()), "engine_trainer_logprob_gap": gap, "clip_fraction": clip_fraction,
-            "stale_logprob_drift": drift}
 
 
 def _memory_stats() -> dict:

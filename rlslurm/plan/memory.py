@@ -46,6 +46,10 @@ class MemoryConfig:
     not_advised_headroom_pct."""
     not_advised_headroom_pct: float = 5.0
     """Headroom below this share is `not advised` (one long sample OOMs); below 0 is `OOM`. Range [0, 100]."""
+    measured_recompute: Literal["none", "selective", "full"] | None = None
+    """The recompute mode under which memory.activation_gb and timing.train_step_s were measured; null =
+    memory.recompute. When memory.recompute differs, the plan rescales both: the activations by the
+    difference of the shape's layer terms, the train step by the recompute cost (rlslurm/plan/recompute.py)."""
 
     def __post_init__(self):
         for name in ("weight_bytes", "grad_bytes"):
@@ -85,6 +89,20 @@ class Activations:
     fused_ce_saving: Q
 
 
+def layer_activations(model: ModelConfig, parallel: ParallelConfig, recompute: str) -> Q:
+    """Activations the transformer layers keep per GPU under one recompute mode (see `activations`)."""
+    p, m = parallel, model
+    s, b, h, a, t = p.seq_len / p.cp, p.micro_batch_size, m.hidden, m.heads, p.tp
+    width = m.topk * (m.expert_ffn_hidden or m.ffn_hidden) if m.experts else m.ffn_hidden
+    mlp = 19 * width / (4 * h)
+    per_token = {"none": 15 + mlp + 5 * a * s / h, "selective": 15 + mlp, "full": 2.0}[recompute]
+    formula = {"none": f"(15 + MLP {mlp:.3g} + 5 a {a} s / h)", "selective": f"(15 + MLP {mlp:.3g})",
+               "full": "2"}[recompute]
+    layer_bytes = m.layers * s * b * h * per_token / t
+    return Q("layer activations", gb(layer_bytes), "GB",
+             f"{m.layers} layers x s {s:g} x b {b} x h {h} x {formula} B / TP {t} (recompute {recompute})")
+
+
 def activations(model: ModelConfig, parallel: ParallelConfig, memory: MemoryConfig) -> Activations:
     """Korthikanti et al. (2022), 'Reducing Activation Recomputation in Large Transformer Models'.
 
@@ -92,19 +110,14 @@ def activations(model: ModelConfig, parallel: ParallelConfig, memory: MemoryConf
       none:      s b h (34 + 5 a s / h) / t      selective: 34 s b h / t      full: 2 s b h / t
     where 19 of the 34 are the MLP's (for a 4h MLP): scaled here by the MLP width a token passes
     through (ffn_hidden, or topk x expert_ffn_hidden for MoE) over 4h. With 1F1B the first stage keeps
-    PP micro-batches of L/PP layers, i.e. L layers' worth, whatever PP is. s is split by CP.
+    PP micro-batches of L/PP layers, i.e. L layers' worth, whatever PP is. s is split by CP; b is the
+    micro-batch (parallel.micro_batch_size: both trainers put that many sequences through one forward).
+    A measured memory.activation_gb taken under memory.measured_recompute moves by the layer terms' difference
+    when memory.recompute differs.
     """
     p, m = parallel, model
-    s, b, h, a, t = p.seq_len / p.cp, p.micro_batch_size, m.hidden, m.heads, p.tp
-    width = m.topk * (m.expert_ffn_hidden or m.ffn_hidden) if m.experts else m.ffn_hidden
-    mlp = 19 * width / (4 * h)
-    per_token = {"none": 15 + mlp + 5 * a * s / h, "selective": 15 + mlp, "full": 2.0}[memory.recompute]
-    formula = {"none": f"(15 + MLP {mlp:.3g} + 5 a {a} s / h)", "selective": f"(15 + MLP {mlp:.3g})",
-               "full": "2"}[memory.recompute]
-    layer_bytes = m.layers * s * b * h * per_token / t
-    layers = Q("layer activations", gb(layer_bytes), "GB",
-               f"{m.layers} layers x s {s:g} x b {b} x h {h} x {formula} B / TP {t} "
-               f"(recompute {memory.recompute})")
+    s, b, t = p.seq_len / p.cp, p.micro_batch_size, p.tp
+    layers = layer_activations(model, parallel, memory.recompute)
     logit_bytes = b * s * m.vocab * 4 * 2 / t
     if memory.logits_gb is not None:
         logits = Q("logits + CE", memory.logits_gb, "GB", "memory.logits_gb (measured)")
@@ -112,7 +125,14 @@ def activations(model: ModelConfig, parallel: ParallelConfig, memory: MemoryConf
         logits = Q("logits + CE", gb(logit_bytes), "GB",
                    f"b {b} x s {s:g} x vocab {m.vocab} x 4 B (fp32) x 2 (with grad) / TP {t}")
     temps = Q("temporaries", memory.temporaries_gb, "GB", "memory.temporaries_gb")
-    if memory.activation_gb is not None:
+    measured = memory.measured_recompute or memory.recompute
+    if memory.activation_gb is not None and measured != memory.recompute:
+        then = layer_activations(model, parallel, measured)
+        total = Q("activations + temporaries", memory.activation_gb + layers.value - then.value, "GB",
+                  f"memory.activation_gb {memory.activation_gb:g} GB (calibrated at recompute {measured}) + layers "
+                  f"at {memory.recompute} {layers.text()} - layers at {measured} {then.text()}")
+        temps = dataclasses.replace(temps, how=temps.how + " [shown for comparison: memory.activation_gb holds it]")
+    elif memory.activation_gb is not None:
         total = Q("activations + temporaries", memory.activation_gb, "GB",
                   "memory.activation_gb (calibrated; includes logits and temporaries)")
         unused = " [shown for comparison: memory.activation_gb replaces it]"
@@ -155,22 +175,28 @@ class TrainerMemory:
 
 def trainer_memory(counts: ParamCounts, model: ModelConfig, parallel: ParallelConfig, memory: MemoryConfig,
                    hbm_gb: float, dp: int) -> TrainerMemory:
-    """Per-GPU trainer memory at data-parallel size `dp` (the caller checked that EP divides it).
+    """Per-GPU trainer memory at data-parallel size `dp` (the caller checked the layout's world rules).
 
-    Parameters shard over TP x PP (experts also over EP, expert TP = TP as Megatron's default). Weights
-    and the gradient buffer stay whole on every rank; only the optimizer state is sharded: dense over DP,
-    experts over the expert-DP group DP / EP. Fewer training GPUs -> smaller groups -> more per GPU.
+    Dense parameters shard over TP x PP, experts over ETP x EP x PP (ETP = TP unless parallel.etp says
+    otherwise, as Megatron's default). Weights and the gradient buffer stay whole on every rank; only the
+    optimizer state is sharded, by Megatron's distributed optimizer over the groups its DDP reduces
+    gradients in: dense over DP x CP (the context-parallel ranks hold the same weights), experts over the
+    expert-DP group world / (ETP x EP x PP). Fewer training GPUs -> smaller groups -> more per GPU.
     """
     p = parallel
+    world = dp * p.tp * p.pp * p.cp
     dense = counts.dense / (p.tp * p.pp)
-    expert = counts.expert / (p.ep * p.tp * p.pp)
-    expert_dp = dp / p.ep
+    expert = counts.expert / (p.ep * p.expert_tp * p.pp)
+    expert_dp = world / (p.expert_tp * p.ep * p.pp)
+    dense_dp = dp * p.cp
+    dense_group = f"DP {dp}" if p.cp == 1 else f"DP x CP {dp} x {p.cp}"
     shards = f"({params(dense)} dense + {params(expert)} expert) params"
     weights = Q("weights", gb((dense + expert) * memory.weight_bytes), "GB", f"{shards} x {memory.weight_bytes:g} B")
     grads = Q("gradients", gb((dense + expert) * memory.grad_bytes), "GB", f"{shards} x {memory.grad_bytes:g} B")
     ob = memory.optimizer_bytes
     if memory.distributed_optimizer:
-        dense_opt = Q("dense optimizer", gb(dense * ob / dp), "GB", f"{params(dense)} params x {ob:g} B / DP {dp}")
+        dense_opt = Q("dense optimizer", gb(dense * ob / dense_dp), "GB",
+                      f"{params(dense)} params x {ob:g} B / {dense_group}")
         expert_opt = Q("expert optimizer", gb(expert * ob / expert_dp), "GB",
                        f"{params(expert)} params x {ob:g} B / expert-DP {expert_dp:g}")
     else:

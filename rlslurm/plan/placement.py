@@ -2,8 +2,10 @@
 
 `placement:` in a job YAML. Colocating without offload needs the engine (weights per TP group + KV
 cache + its own overhead) to fit in what the training peak leaves; otherwise the training state
-(resident GB) moves to host RAM during rollout and back: resident / PCIe GB/s each way, twice a step,
-and gpus_per_node x resident of host RAM per node (the lecture: 38.1 GB / 64 GB/s = 0.6 s, 304 GB).
+(resident GB) would have to move to host RAM during rollout and back: resident / PCIe GB/s each way,
+twice a step, and gpus_per_node x resident of host RAM per node (the lecture: 38.1 GB / 64 GB/s = 0.6 s,
+304 GB). rlslurm's runtime does not offload training state yet: the plan shows those figures and never
+chooses such a colocation (rlslurm/plan/options.py).
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ class PlacementConfig:
     """Nodes given to rollout when separate (fewer than hardware.nodes); null = the plan's recommendation.
     Range [0, 64]."""
     offload: bool = True
-    """When colocated, move training state to host RAM during rollout."""
+    """Consider colocation with the training state moved to host RAM during rollout where the engine does not
+    fit beside the training peak: the plan shows its cost, marked not runnable yet (the runtime does not
+    offload); false: such a colocation is shown as not fitting."""
     engine_overhead_gb: float = 0.5
     """GPU memory an engine needs beyond weights and KV cache (forward activations, CUDA graphs), in GB.
     Range [0, 100000]."""
@@ -66,7 +70,8 @@ class Colocate:
 
     @property
     def feasible(self) -> bool:
-        """Colocation can run: training itself fits, and either the engine fits or offload does."""
+        """Colocation could run on paper: training itself fits, and either the engine fits or offload would
+        (the runtime runs only the first: rlslurm/plan/options.py)."""
         return self.train_verdict not in ("OOM", "invalid") and (self.fits_without_offload or self.host_ram_fits)
 
 

@@ -20,7 +20,13 @@ from rlslurm.plan.checkpoint_interval import young_interval_s
 from rlslurm.plan.quantity import Q, num, params
 
 if TYPE_CHECKING:
+    from rlslurm.plan.options import Option
     from rlslurm.plan.report import Plan
+
+
+def timeouts(plan: Plan):
+    from rlslurm.plan.report import timeouts as chain
+    return chain(plan)
 
 WIDTH = 132
 
@@ -49,14 +55,53 @@ def _memory_table(plan: Plan) -> Table:
     return table
 
 
+def _shown(plan: Plan) -> list[Option]:
+    """The options worth a row: every one whose split fits (ipc only where it can run), and the chosen one."""
+    return [o for o in plan.options if o is plan.option or (
+        o.split.verdict not in ("OOM", "invalid") and (o.placement == "colocate" or o.method != "ipc"))]
+
+
 def _step_table(plan: Plan) -> Table:
-    table = _table("Step time (seconds) per placement and weight-sync method",
-                   ["placement", "sync", "rollout", "reward", "train", "sync s", "offload", "total", "sync share"])
-    for row in plan.steps:
-        mark = "  <- chosen" if row is plan.chosen_step else ""
-        table.add_row(row.placement, row.method, num(row.rollout_s), num(row.reward_s), num(row.train_s),
-                      num(row.sync_s), num(row.offload_s), num(row.total_s), f"{row.share_pct(row.sync_s):.1f} %{mark}")
+    table = _table("Step time (seconds) of each option: placement, rollout nodes, weight-sync method",
+                   ["placement", "rollout nodes", "sync", "rollout", "reward", "train", "sync s", "offload", "total",
+                    "sync share", "status"])
+    for o in _shown(plan):
+        row = o.step
+        status = o.status + ("  <- chosen" if o is plan.option else "")
+        table.add_row(o.placement, str(o.split.rollout_nodes), row.method, num(row.rollout_s), num(row.reward_s),
+                      num(row.train_s), num(row.sync_s), num(row.offload_s), num(row.total_s),
+                      f"{row.share_pct(row.sync_s):.1f} %", status)
     return table
+
+
+def _choice(plan: Plan) -> list[str]:
+    """Which option the plan chose and by how much it beats the next, or why a faster one is not it."""
+    job, o = plan.job, plan.option
+    total = o.step.total_s
+    verb = "the fastest allowed option the job can run" if o.runnable else "refused by the pre-flight below"
+    lines = [f"chosen: {o.where}, {o.split.train_gpus} training GPUs: {num(total)} s/step, {verb} "
+             f"(placement.mode = {job.placement.mode}, sync.method = {job.sync.method})"]
+    runner_up, faster = plan.alternatives()
+    if runner_up is not None:
+        d = runner_up.step.total_s - total
+        lines.append(f"  next: {runner_up.where}: {num(runner_up.step.total_s)} s/step "
+                     f"({'+' if d >= 0 else '-'}{num(abs(d))} s, {100 * d / total:+.1f} %)")
+    if faster is not None:
+        excluded = plan.excluded_by(faster)
+        status = f"excluded by {excluded}" if excluded else faster.status
+        why = "; ".join(faster.reasons) or f"{faster.split.memory.headroom_pct.value:.1f} % headroom"
+        lines.append(f"  faster but {status}: {faster.where}: {num(faster.step.total_s)} s/step "
+                     f"(-{num(total - faster.step.total_s)} s)" + (f": {why}" if not faster.advised else ""))
+    return lines
+
+
+def _blockers(plan: Plan) -> list[str]:
+    """Each reason an option shown cannot run, once, with the options it stops (`--explain`)."""
+    stopped: dict[str, list[str]] = {}
+    for o in _shown(plan):
+        for b in o.blockers:
+            stopped.setdefault(b, []).append(f"{o.placement} {o.split.rollout_nodes} {o.method}")
+    return [f"  {', '.join(names)}: {b}" for b, names in stopped.items()]
 
 
 def _explain(lines: list[str], quantities: list[Q]) -> None:
@@ -77,9 +122,7 @@ def _sections(plan: Plan, problems: list[str], explain: bool) -> list[Any]:
         out.append(f"    the shape gives {params(c.shape_expert)} expert, {params(c.shape_dense)} dense, "
                    f"{params(c.shape_active)} active; overridden by model.{', model.'.join(c.overridden)}")
     out.append(_memory_table(plan))
-    lines = [f"recommendation: {plan.advice}",
-             f"chosen: {plan.placement}, {plan.chosen.rollout_nodes} rollout node(s), {plan.chosen.train_gpus} "
-             f"training GPUs (placement.mode = {job.placement.mode})", plan.gpus.text(), _network_line(job)]
+    lines = [f"recommendation: {plan.advice}"]
     if plan.fused_ce_what_if is not None:
         f = plan.fused_ce_what_if
         lines.append(f"  with memory.fused_ce: true the peak would be {f.peak.text()} = "
@@ -95,7 +138,8 @@ def _sections(plan: Plan, problems: list[str], explain: bool) -> list[Any]:
             for rule in s.broken:
                 lines.append(f"  {s.train_gpus} training GPUs: {rule.message}")
     colo = plan.colocate
-    fits = "fits" if colo.fits_without_offload else "does not fit: needs time-sharing + offload"
+    fits = ("fits without offload" if colo.fits_without_offload else
+            "does not fit: needs offload of the training state, which the runtime does not do yet")
     lines += ["", f"colocate (all {hw.total_gpus} GPUs train, rollout time-shares them): engine needs "
                   f"{colo.engine_need_gb.text()}, training peak leaves {colo.free_gb.text()} -> {fits}",
               f"  offload {colo.offload_each_way_s.text()} each way, {colo.offload_per_step_s.text()} per step; "
@@ -126,8 +170,13 @@ def _sections(plan: Plan, problems: list[str], explain: bool) -> list[Any]:
     if explain:
         _explain(lines, list(plan.syncs.values()) + [rw.serial, rw.concurrent, rw.used])
     out += ["\n".join(lines), _step_table(plan)]
-    lines = [f"switching from disk sync: {a.method} saves {a.saved_per_step.text()} x {job.timing.total_steps} steps = "
-             f"{a.saved_total_h.text()} of the whole cluster ({a.saved_gpu_h.text()})" for a in plan.amortisation]
+    lines = _choice(plan) + [plan.gpus.text(), _network_line(job)]
+    if explain:
+        lines += _blockers(plan)
+        _explain(lines, plan.recompute)
+    lines += [""] + [f"switching from disk sync: {a.method} saves {a.saved_per_step.text()} x {job.timing.total_steps} "
+                     f"steps = {a.saved_total_h.text()} of the whole cluster ({a.saved_gpu_h.text()})"
+                     for a in plan.amortisation]
     if explain:
         _explain(lines, [plan.rl_step_s] + [q for a in plan.amortisation for q in (a.saved_per_step, a.saved_total_h)])
     ck, ckc = plan.checkpoint, job.checkpoint
@@ -141,6 +190,7 @@ def _sections(plan: Plan, problems: list[str], explain: bool) -> list[Any]:
                   f"RL steps of {plan.rl_step_s.text()}"]
     if explain:
         lines.append(f"    Young = sqrt(2 x C {ckc.cost_s:g} s x MTBF {ckc.mtbf_h * 3600:g} s) = {ck.young_s:,.0f} s")
+    lines += [""] + timeouts(plan).lines()
     lines += [""] + [f"warning: {w}" for w in plan.warnings]
     lines += ([f"preflight: REFUSE: {pr}" for pr in problems] if problems
               else ["preflight: ok (rlslurm submit would run this split)"])
@@ -178,6 +228,15 @@ def _terms(*quantities: Q) -> dict[str, str]:
     return {_key(q): q.explain() for q in quantities}
 
 
+def _option(o: Option) -> dict[str, Any]:
+    r = o.step
+    return {"placement": o.placement, "rollout_nodes": o.split.rollout_nodes, "train_gpus": o.split.train_gpus,
+            "sync_method": r.method, "status": o.status, "runnable": o.runnable, "blockers": list(o.blockers),
+            "rollout_s": r.rollout_s, "reward_s": r.reward_s, "train_s": round(r.train_s, 4),
+            "sync_s": round(r.sync_s, 4), "offload_s": round(r.offload_s, 4), "total_s": round(r.total_s, 4),
+            "sync_share_pct": round(r.share_pct(r.sync_s), 4)}
+
+
 def as_json(plan: Plan, problems: list[str]) -> str:
     job, hw, c = plan.job, plan.job.hardware, plan.counts
     splits = []
@@ -190,6 +249,7 @@ def as_json(plan: Plan, problems: list[str]) -> str:
             row.update(dp=m.dp, expert_dp=m.expert_dp, **_qs(*m.terms), terms=_terms(*m.terms))
         splits.append(row)
     colo, rw = plan.colocate, plan.reward
+    runner_up, faster = plan.alternatives()
     data = {
         "job": {"name": job.job.name, "kind": job.job.kind},
         "hardware": {"profile": hw.profile, "nodes": hw.nodes, "gpus_per_node": hw.gpus_per_node,
@@ -200,6 +260,9 @@ def as_json(plan: Plan, problems: list[str]) -> str:
         "recommendation": {"rollout_nodes": plan.recommended_rollout_nodes, "advice": plan.advice},
         "chosen": {"placement": plan.placement, "rollout_nodes": plan.chosen.rollout_nodes,
                    "train_gpus": plan.chosen.train_gpus, "sync_method": plan.sync_method,
+                   "step_s": round(plan.option.step.total_s, 4),
+                   "next": _option(runner_up) if runner_up is not None else None,
+                   "faster_not_chosen": _option(faster) if faster is not None else None,
                    **({"fused_ce_peak_gb": round(plan.fused_ce_what_if.peak.value, 4)}
                       if plan.fused_ce_what_if is not None else {})},
         "gpus": plan.gpus.as_dict(),
@@ -214,15 +277,14 @@ def as_json(plan: Plan, problems: list[str]) -> str:
                        if plan.rollout is not None else {})},
         "sync_s": {m: round(q.value, 4) for m, q in plan.syncs.items()},
         "reward": {"responses": rw.responses, **_qs(rw.serial, rw.concurrent, rw.used)},
-        "steps": [{"placement": r.placement, "sync_method": r.method, "rollout_s": r.rollout_s, "reward_s": r.reward_s,
-                   "train_s": round(r.train_s, 4), "sync_s": round(r.sync_s, 4), "offload_s": round(r.offload_s, 4),
-                   "total_s": round(r.total_s, 4), "sync_share_pct": round(r.share_pct(r.sync_s), 4)}
-                  for r in plan.steps],
+        "options": [_option(o) for o in plan.options],
+        "recompute": _qs(*plan.recompute),
         "amortisation": [{"method": a.method, **_qs(a.saved_per_step, a.saved_total_h, a.saved_gpu_h)}
                          for a in plan.amortisation],
         "checkpoint": {"young_s": round(plan.checkpoint.young_s, 2), "daly_s": round(plan.checkpoint.daly_s, 2),
                        "young_steps": plan.checkpoint.young_steps, "daly_steps": plan.checkpoint.daly_steps,
                        "step_s": plan.checkpoint_step_s.value, "cap_s": plan.checkpoint_cap_s, "rl_step_s": round(plan.rl_step_s.value, 4)},
+        "timeout_chain": timeouts(plan).as_json(),
         "warnings": plan.warnings,
         "preflight_problems": problems,
     }

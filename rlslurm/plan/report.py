@@ -6,27 +6,31 @@
 
 "What can be computed must not be guessed": memory per split, divisibility, colocate vs. separate,
 rollout capacity and decode roofline, weight-sync time per method, step split, checkpoint interval.
+The choice is the step time's: among the options the config leaves open (placement.mode, rollout_nodes,
+sync.method; `auto` leaves all) and the job can run (rlslurm/plan/options.py), the fastest; the job runs
+exactly that (rlslurm/layout.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from functools import partial
 
 from rlslurm.config import JobConfig
 from rlslurm.modelspec import ParamCounts, param_counts
 from rlslurm.plan.checkpoint_interval import Interval, checkpoint_interval
-from rlslurm.plan.decode import (KVCache, RolloutCapacity, capacity, kv_cache, roofline, roofline_by_profile,
-                                 weights_gb)
+from rlslurm.plan.decode import KVCache, RolloutCapacity, kv_cache, roofline, roofline_by_profile, weights_gb
 from rlslurm.plan.gpus import GpuPlan, gpu_plan
 from rlslurm.plan.memory import TrainerMemory, trainer_memory
 from rlslurm.plan.parallel import Rule, static_rules
+from rlslurm.plan.options import PLACEMENTS, Option, Placement, all_options, option
 from rlslurm.plan.placement import Colocate, colocate, stated_placement
 from rlslurm.plan.quantity import Q
+from rlslurm.plan.recompute import MODES, forward_flops, recompute_factor, recompute_scale
 from rlslurm.plan.splits import Split, advice, all_splits, recommend
-from rlslurm.plan.steptime import (Amortisation, RewardPhase, StepSplit, SyncMethod, amortise, reward_phase,
-                                   step_splits, sync_times)
+from rlslurm.plan.steptime import Amortisation, RewardPhase, StepSplit, SyncMethod, amortise, reward_phase, sync_times
+from rlslurm.plan.timeouts import Chain, timeout_chain
 
 
 @dataclass(frozen=True)
@@ -39,25 +43,43 @@ class Plan:
     static_broken: list[Rule]
     recommended_rollout_nodes: int | None
     advice: str
-    placement: Literal["colocate", "separate"]
-    chosen: Split
+    options: list[Option]
+    option: Option
+    """The chosen option: the fastest the job can run among those the config leaves open."""
     fused_ce_what_if: TrainerMemory | None
     colocate: Colocate
     weights: Q
     kv: KVCache
-    rollout: RolloutCapacity | None
     roofline: Q
     roofline_profiles: dict[str, Q]
     syncs: dict[SyncMethod, Q]
-    sync_method: SyncMethod
     reward: RewardPhase
-    steps: list[StepSplit]
+    recompute: list[Q]
+    """Forward FLOPs per token and each recompute mode's step-time factor (`--explain`)."""
     amortisation: list[Amortisation]
     checkpoint: Interval
     checkpoint_step_s: Q
     checkpoint_cap_s: float
     rl_step_s: Q
     warnings: list[str]
+
+    @property
+    def placement(self) -> Placement:
+        return self.option.placement
+
+    @property
+    def chosen(self) -> Split:
+        """The split of the chosen option (colocation: every GPU trains)."""
+        return self.option.split
+
+    @property
+    def sync_method(self) -> SyncMethod:
+        return self.option.method
+
+    @property
+    def rollout(self) -> RolloutCapacity | None:
+        """The engines' capacity on the chosen split's rollout GPUs (None when colocated)."""
+        return self.option.rollout
 
     @property
     def gpus(self) -> GpuPlan:
@@ -67,24 +89,65 @@ class Plan:
     @property
     def chosen_step(self) -> StepSplit:
         """The step split of the chosen placement and sync method."""
-        for row in self.steps:
-            if row.method == self.sync_method and row.placement == self.placement:
-                return row
-        return self.steps[0]
+        return self.option.step
+
+    @property
+    def steps(self) -> list[StepSplit]:
+        """The step of every sync method at the chosen split and colocated (the lecture's question 2)."""
+        return [o.step for o in self.options if o.split is self.chosen or o.placement == "colocate"]
+
+    def alternatives(self) -> tuple[Option | None, Option | None]:
+        """(the fastest other option the config allows and the job can run, the fastest option faster than the
+        chosen one that the plan could not choose: not runnable, not advised, or excluded by the config)."""
+        chosen, allowed = self.option, _allowed_options(self.job, self.options)
+        others = [o for o in allowed if o is not chosen and o.runnable]
+        faster = [o for o in self.options if o is not chosen and o.step.total_s < chosen.step.total_s
+                  and o.split.verdict != "OOM" and not (o.advised and o in allowed)]
+        # The advised first (what the plan would take next), and among faster ones those that could run.
+        first = (lambda xs: min(xs, key=lambda o: (not o.runnable, not o.advised, o.step.total_s)) if xs else None)
+        return first(others), first(faster)
+
+    def excluded_by(self, o: Option) -> str | None:
+        """The config setting that keeps option `o` out of the choice (None: the config allows it)."""
+        if o in _allowed_options(self.job, self.options):
+            return None
+        pairs, pl, sync = dict(_allowed(self.job)), self.job.placement, self.job.sync
+        if o.placement not in pairs:
+            return f"placement.mode = {pl.mode!r}" if pl.mode in PLACEMENTS else \
+                f"placement.rollout_nodes = {pl.rollout_nodes}"
+        if pairs[o.placement] != o.method:
+            resolved = pairs[o.placement]
+            return f"sync.method = {sync.method!r}" + (f" ({resolved} when {o.placement}d)"
+                                                        if resolved != sync.method else "")
+        return f"placement.rollout_nodes = {pl.rollout_nodes}"
 
 
-def _choose(job: JobConfig, splits: list[Split], best: int | None) -> tuple[Literal["colocate", "separate"], Split]:
-    """The placement and split: as the config states it, else (placement.mode auto) by the numbers."""
-    pl = job.placement
-    stated = stated_placement(pl)
-    if stated == "colocate":
-        return "colocate", splits[0]
-    if pl.rollout_nodes is not None and pl.rollout_nodes > 0:
-        return "separate", splits[pl.rollout_nodes]
-    if stated == "separate":
-        # Nothing can leave training: keep the split whose problems preflight will name.
-        return "separate", splits[best] if best else splits[min(1, len(splits) - 1)]
-    return ("separate", splits[best]) if best else ("colocate", splits[0])
+def _allowed(job: JobConfig) -> list[tuple[Placement, SyncMethod]]:
+    """The (placement, sync method) pairs the config leaves open: the placement it states
+    (rlslurm/plan/placement.py `stated_placement`), else both, each with the method SyncConfig.resolved_method
+    runs under it (the one place sync.method auto is resolved)."""
+    stated = stated_placement(job.placement)
+    return [(p, job.sync.resolved_method(p)) for p in ((stated,) if stated else PLACEMENTS)]
+
+
+def _allowed_options(job: JobConfig, options: list[Option]) -> list[Option]:
+    """The options the config leaves open: placement.mode, placement.rollout_nodes, sync.method."""
+    pairs, nodes = _allowed(job), job.placement.rollout_nodes or None
+    return [o for o in options if (o.placement, o.method) in pairs
+            and (o.placement == "colocate" or not nodes or o.split.rollout_nodes == nodes)]
+
+
+def _choose(job: JobConfig, options: list[Option], fallback) -> Option:
+    """The fastest option the job can run among those the config allows (placement.mode, rollout_nodes,
+    sync.method); a split whose headroom is `not advised` only when no other one runs. When none runs, the
+    option with the fewest blockers: its pre-flight names them."""
+    allowed = _allowed_options(job, options)
+    if not allowed:  # placement.mode: separate on one node: nothing can leave training
+        allowed = [fallback(method) for placement, method in _allowed(job) if placement == "separate"]
+    runnable = [o for o in allowed if o.advised] or [o for o in allowed if o.runnable]
+    if runnable:
+        return min(runnable, key=lambda o: o.step.total_s)
+    return min(allowed, key=lambda o: (len(o.blockers), o.step.total_s))
 
 
 def build_plan(job: JobConfig) -> Plan:
@@ -93,30 +156,32 @@ def build_plan(job: JobConfig) -> Plan:
     counts = param_counts(m)
     splits = all_splits(job, counts)
     best = recommend(splits)
-    placement, chosen = _choose(job, splits, best)
-    fused = None
-    # The what-if is worth a line only when the logits are a real share (>= 1 %) of the GPU's memory.
-    if (chosen.memory is not None and not job.memory.fused_ce
-            and chosen.memory.activations.logits.value >= 0.01 * hw.gpu_mem_gb):
-        with_fused = dataclasses.replace(job.memory, fused_ce=True)
-        fused = trainer_memory(counts, m, job.parallel, with_fused, hw.gpu_mem_gb, chosen.memory.dp)
+    how = advice(splits, hw.gpus_per_node)
     weights = weights_gb(counts, job.sync.weights_gb)
     kv = kv_cache(m, job.rollout)
     colo = colocate(splits[0].memory, hw, job.rollout, kv, weights, job.placement)
-    cap = None
-    if placement == "separate" and chosen.rollout_gpus:
-        cap = capacity(weights, kv, hw, job.rollout, chosen.rollout_gpus, job.placement.engine_overhead_gb)
     syncs = sync_times(weights, hw)
-    sync_method = job.sync.resolved_method(placement)
     reward = reward_phase(job.rl, job.reward, job.timing)
+    make = partial(option, job, colo=colo, syncs=syncs, reward_s=reward.used.value, kv=kv, weights=weights,
+                   advice=how)
+    options = all_options(job, splits, colo, syncs, reward.used.value, kv, weights, how)
+    chosen = _choose(job, options, lambda method: make("separate", splits[0], method))
+    fused = None
+    mem = chosen.split.memory
+    # The what-if is worth a line only when the logits are a real share (>= 1 %) of the GPU's memory.
+    if mem is not None and not job.memory.fused_ce and mem.activations.logits.value >= 0.01 * hw.gpu_mem_gb:
+        with_fused = dataclasses.replace(job.memory, fused_ce=True)
+        fused = trainer_memory(counts, m, job.parallel, with_fused, hw.gpu_mem_gb, mem.dp)
     offload_s = 0.0 if colo.fits_without_offload or colo.train_verdict == "invalid" else colo.offload_per_step_s.value
-    separate_train = chosen.train_step if placement == "separate" else None
-    steps = step_splits(job.timing, reward.used.value, separate_train, splits[0].train_step, syncs, offload_s)
     amort = amortise(syncs, offload_s, job.timing.total_steps, hw.total_gpus)
-    plan_step = next((r for r in steps if r.method == sync_method and r.placement == placement), steps[0])
-    rl_step = Q("RL step", plan_step.total_s, "s",
-                f"rollout {plan_step.rollout_s:g} + reward {plan_step.reward_s:g} + train {plan_step.train_s:.1f} "
-                f"+ sync {plan_step.sync_s:.2f} ({sync_method}) + offload {plan_step.offload_s:.2f}")
+    step = chosen.step
+    rl_step = Q("RL step", step.total_s, "s",
+                f"rollout {step.rollout_s:g} + reward {step.reward_s:g} + train {step.train_s:.1f} "
+                f"+ sync {step.sync_s:.2f} ({step.method}) + offload {step.offload_s:.2f}")
+    flops = forward_flops(m, job.parallel)
+    recompute = [flops.layer_matmuls, flops.core_attention, flops.head, flops.total,
+                 *(recompute_factor(m, job.parallel, mode) for mode in MODES),
+                 recompute_scale(m, job.parallel, job.memory)]
     ck = job.checkpoint
     # The interval must fit in one allocation: the signal before the time limit ends useful work.
     wall_s = float(job.cluster.time_limit_min * 60 - job.cluster.signal_before_s)
@@ -125,9 +190,9 @@ def build_plan(job: JobConfig) -> Plan:
     interval = checkpoint_interval(ck.cost_s, ck.mtbf_h * 3600, ck_step.value, wall_s)
     plan = Plan(job, counts, splits, static_rules(job.parallel, m.layers, m.heads, m.n_kv_heads, m.experts,
                                                   hw.gpus_per_node, job.rollout.tp),
-                best, advice(splits, hw.gpus_per_node), placement, chosen, fused, colo, weights, kv, cap,
-                roofline(counts.active, hw.hbm_tb_s), roofline_by_profile(counts.active), syncs, sync_method,
-                reward, steps, amort, interval, ck_step, wall_s, rl_step, [])
+                best, how, options, chosen, fused, colo, weights, kv, roofline(counts.active, hw.hbm_tb_s),
+                roofline_by_profile(counts.active), syncs, reward, recompute, amort, interval, ck_step, wall_s,
+                rl_step, [])
     plan.warnings.extend(_warnings(plan))
     return plan
 
@@ -138,55 +203,32 @@ def _warnings(plan: Plan) -> list[str]:
     if c.verdict in ("tight", "not advised") and c.memory is not None:
         out.append(f"{c.train_gpus} training GPUs leave {c.memory.headroom_pct.value:.1f} % headroom ({c.verdict}): "
                    "one long sample can OOM")
-    if plan.placement == "colocate" and plan.sync_method != "ipc" and not _nccl_on_one_gpu(plan):
+    gpu_broadcast = plan.sync_method == "broadcast" and plan.job.hardware.profile != "cpu"
+    saved = plan.syncs[plan.sync_method].value - plan.syncs["ipc"].value
+    # Worth a line when it is 1 % of the step (on the cpu profile the two are equal to the microsecond).
+    if plan.placement == "colocate" and saved > 0.01 * plan.rl_step_s.value and not gpu_broadcast:
         out.append(f"sync.method = {plan.sync_method!r} while colocated: ipc would be "
-                   f"{plan.syncs[plan.sync_method].value - plan.syncs['ipc'].value:.1f} s faster per step")
+                   f"{saved:.1f} s faster per step")
     if plan.reward.used.value > plan.chosen.train_step.value:
         out.append(f"the reward phase ({plan.reward.used.text()}) is longer than training "
                    f"({plan.chosen.train_step.text()}): raise reward.concurrency")
     return out
 
 
-def _nccl_on_one_gpu(plan: Plan) -> bool:
-    """Broadcast sync between trainer rank 0 and colocated engines on a GPU cluster: one NCCL group with two
-    ranks on one device (rlslurm/rl/engines.py spawns colocated engines in rank 0's environment, on its GPU). On the
-    cpu profile the group is gloo, which has no such rule."""
-    return plan.placement == "colocate" and plan.sync_method == "broadcast" and plan.job.hardware.profile != "cpu"
-
-
 def preflight(plan: Plan) -> list[str]:
-    """Reasons `rlslurm submit` must refuse this job (empty = go): OOM, broken rules, no room for rollout."""
-    problems = [r.message for r in plan.static_broken]
-    c = plan.chosen
-    where = f"{plan.placement}, {c.train_gpus} training GPUs"
-    problems += [f"{where}: {r.message}" for r in c.broken]
-    if c.memory is not None and c.verdict == "OOM":
-        problems.append(f"{where}: trainer OOM, peak {c.memory.peak.text()} > {plan.job.hardware.gpu_mem_gb:g} GB "
-                        f"per GPU ({c.memory.peak.how})")
-    if plan.job.placement.mode == "separate" and not c.rollout_gpus:
-        problems.append("placement.mode = 'separate' but no node can leave training: " + plan.advice)
-    colo = plan.colocate
-    if plan.placement == "colocate" and c.verdict != "OOM" and not colo.fits_without_offload:
-        if not plan.job.placement.offload:
-            problems.append(f"colocate without offload: the engine needs {colo.engine_need_gb.text()} but the "
-                            f"training peak leaves {colo.free_gb.text()}; set placement.offload: true")
-        elif not colo.host_ram_fits:
-            problems.append(f"colocate with offload needs {colo.host_ram_per_node_gb.text()} host RAM per node "
-                            f"> hardware.host_ram_gb = {plan.job.hardware.host_ram_gb:g}")
-    if plan.placement == "separate" and plan.sync_method == "ipc":
-        problems.append("sync.method = 'ipc' needs colocation (engines on other nodes cannot map the trainer's "
-                        "memory), and the plan places rollout separate: set placement.mode: colocate, or "
-                        "sync.method: broadcast or disk")
-    if _nccl_on_one_gpu(plan):
-        problems.append("sync.method = 'broadcast' with placement colocate on GPUs: the engines start beside trainer "
-                        "rank 0 and share its GPU, and NCCL refuses two ranks of one group on one GPU ('Duplicate "
-                        "GPU detected'); set sync.method: ipc (the same GPU's memory, no copy) or disk, or "
-                        "placement.mode: separate")
-    problems += list(plan.gpus.problems)
-    if plan.rollout is not None and plan.rollout.seqs_per_engine.value < 1:
-        problems.append(f"rollout: one engine's KV space {plan.rollout.kv_space_per_gpu.text()} per GPU holds no "
-                        f"sequence of rollout.max_seq_len = {plan.job.rollout.max_seq_len}")
-    return problems
+    """Reasons `rlslurm submit` must refuse this job (empty = go): broken rules, OOM, a placement or sync
+    method the job cannot run (rlslurm/plan/options.py names each), a timeout chain that cannot work
+    (rlslurm/plan/timeouts.py)."""
+    o = plan.option
+    where = f"{o.placement}, {o.split.train_gpus} training GPUs"
+    return ([r.message for r in plan.static_broken] + [f"{where}: {b}" for b in o.blockers]
+            + timeouts(plan).problems())
+
+
+def timeouts(plan: Plan) -> Chain:
+    """The job's timeout chain (rlslurm/plan/timeouts.py); the drain's step is the plan's step time."""
+    step = plan.rl_step_s if plan.job.job.kind == "rl" else plan.checkpoint_step_s
+    return timeout_chain(plan.job, step_s=step.value)
 
 
 def render_text(plan: Plan, explain: bool = False) -> str:

@@ -1,7 +1,7 @@
 """Every split of the cluster between training and rollout nodes, its memory verdict, and the advice.
 
 For r = 0 .. nodes-1 rollout nodes the trainer keeps (nodes - r) x gpus_per_node GPUs. Fewer training
-GPUs shrink DP and with it the expert-DP group DP / EP that shards the expert optimizer state, so the
+GPUs shrink DP and with it the expert-DP group (DP / EP) that shards the expert optimizer state, so the
 memory per GPU *rises* as nodes leave for rollout (the lecture: 85.7 -> 88.3 -> 92.7 -> 101.4 GB, OOM).
 The advice is the most rollout nodes whose split is ok or tight and breaks no divisibility rule.
 """
@@ -15,6 +15,7 @@ from rlslurm.modelspec import ParamCounts
 from rlslurm.plan.memory import TrainerMemory, trainer_memory
 from rlslurm.plan.parallel import Rule, data_parallel, rollout_rules, world_rules
 from rlslurm.plan.quantity import Q
+from rlslurm.plan.recompute import recompute_scale
 from rlslurm.plan.steptime import train_step_s
 
 if TYPE_CHECKING:  # config.py imports this package's config classes: no cycle at run time
@@ -51,13 +52,13 @@ def split(job: "JobConfig", counts: ParamCounts, rollout_nodes: int) -> Split:
     hw, p = job.hardware, job.parallel
     train_gpus = (hw.nodes - rollout_nodes) * hw.gpus_per_node
     rollout_gpus = rollout_nodes * hw.gpus_per_node
-    broken = tuple(world_rules(p, train_gpus) + rollout_rules(rollout_gpus, job.rollout.tp))
-    dp = data_parallel(p, train_gpus)
+    world_broken = world_rules(p, train_gpus)
+    broken = tuple(world_broken + rollout_rules(rollout_gpus, job.rollout.tp))
     memory = None
-    if dp and dp % p.ep == 0:
-        memory = trainer_memory(counts, job.model, p, job.memory, hw.gpu_mem_gb, dp)
+    if not world_broken:
+        memory = trainer_memory(counts, job.model, p, job.memory, hw.gpu_mem_gb, data_parallel(p, train_gpus))
     return Split(rollout_nodes, train_gpus, rollout_gpus, broken, memory,
-                 train_step_s(job.timing, train_gpus, hw.total_gpus))
+                 train_step_s(job.timing, train_gpus, hw.total_gpus, recompute_scale(job.model, p, job.memory)))
 
 
 def all_splits(job: "JobConfig", counts: ParamCounts) -> list[Split]:

@@ -79,11 +79,16 @@ def reward_phase(rl: RLConfig, reward: RewardConfig, timing: TimingConfig) -> Re
     return RewardPhase(n, serial, concurrent, used)
 
 
-def train_step_s(timing: TimingConfig, train_gpus: int, total_gpus: int) -> Q:
-    """Training step time scaled linearly with the GPU count from the one measured (strong scaling)."""
+def train_step_s(timing: TimingConfig, train_gpus: int, total_gpus: int, recompute: Q | None = None) -> Q:
+    """Training step time scaled linearly with the GPU count from the one measured (strong scaling), and by
+    `recompute` (rlslurm/plan/recompute.py's recompute_scale) when memory.recompute is not the mode it was
+    measured under."""
     ref = timing.train_step_ref_gpus or total_gpus
-    return Q("train step", timing.train_step_s * ref / train_gpus, "s",
-             f"timing.train_step_s {timing.train_step_s:g} s x {ref} GPUs / {train_gpus} GPUs")
+    scale = recompute.value if recompute is not None else 1.0
+    how = f"timing.train_step_s {timing.train_step_s:g} s x {ref} GPUs / {train_gpus} GPUs"
+    if scale != 1.0:
+        how += f" x {recompute.how}"
+    return Q("train step", timing.train_step_s * ref / train_gpus * scale, "s", how)
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,11 @@ class RLConfig:
     eval_every: int = 5
     """Steps between two greedy held-out evaluations of the served policy (also at the start and the end).
     Range [1, 1e8]."""
+    mini_batches: int = 1
+    """Optimizer steps per RL step: the step's samples are cut into this many mini-batches, each one clipped
+    update; the behaviour log-probs are taken once, before the first (verl's ppo_mini_batch_size = the step's
+    samples / mini_batches; OpenRLHF's train_batch_size). Each mini-batch runs in forward passes of
+    parallel.micro_batch_size sequences per rank. Range [1, 1024]."""
 
     def __post_init__(self):
         check_range(self.prompts_per_step, "prompts_per_step", 1, 100_000)
@@ -32,3 +37,4 @@ class RLConfig:
         check_range(self.kl_coef, "kl_coef", 0, 100)
         check_range(self.max_staleness, "max_staleness", 0, 100, note="policy versions")
         check_range(self.eval_every, "eval_every", 1, 10**8, note="steps")
+        check_range(self.mini_batches, "mini_batches", 1, 1024, note="optimizer steps per RL step")

@@ -1,7 +1,7 @@
 """The trained policy on every trainer rank: one interface, two backends.
 
     policy = make_policy(job, topo, model_dir)     # train.backend: torch (Policy here) or megatron
-    stats = policy.update(samples, guard, step_total=len(all_samples))
+    stats = policy.update(samples, guard, step_total=len(all_samples))   # rl.mini_batches optimizer steps
     weights = policy.weights()                      # {HF name: tensor}: what the engines serve
 
 `RLPolicy` is the contract the RL loop and its checkpoints use, and nothing else: `Policy` (DDP on
@@ -13,15 +13,19 @@ does not accept fails in CI, not first on a GPU).
 from __future__ import annotations
 
 import abc
+import contextlib
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from rlslurm.config import JobConfig
 from rlslurm.diag.guard import PhaseGuard
 from rlslurm.dist import Topology, compute_device
+from rlslurm.rl.batches import micro_batches, mini_batches, share_sizes
 from rlslurm.rl.experience import Sample
+from rlslurm.rl.objective import Packed, UpdateStats, behaviour_logprobs, grpo_objective, kl_to_reference, pack
 from rlslurm.tinymodel import load_hf
 from rlslurm.tokenizer import PAD_ID
 
@@ -43,8 +47,10 @@ class RLPolicy(abc.ABC):
 
     @abc.abstractmethod
     def update(self, samples: list[Sample], guard: PhaseGuard, *, step_total: int | None = None) -> dict:
-        """One clipped GRPO step on this rank's share `samples`; `step_total` is the step's sample count
-        over all ranks (0: no rank trains, every rank skips). Returns the step's stats (loss, tokens, ...)."""
+        """One RL step's clipped GRPO update on this rank's share `samples` (`samples[rank::world]` of the
+        step's): rl.mini_batches optimizer steps of parallel.micro_batch_size forwards (rlslurm/rl/batches.py);
+        `step_total` is the step's sample count over all ranks (0: no rank trains, every rank skips).
+        Returns the step's stats (loss, tokens, mini_batches, ...)."""
 
 
 class Policy(RLPolicy):
@@ -80,87 +86,75 @@ class Policy(RLPolicy):
         logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
         return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
 
-    def update(self, samples: list[Sample], guard: PhaseGuard, *, step_total: int | None = None) -> dict:
-        """One clipped policy-gradient step on this rank's share; DDP averages the gradients.
+    def _packed_logprobs(self, model, batch: Packed) -> torch.Tensor:
+        return self._logprobs(model, batch.ids(), batch.attention())
 
-        The ratio is pi_theta / pi_behaviour. A fresh sample (staleness 0) was sampled by these very
-        weights, so its behaviour logprobs are the trainer's own (`old`, equal to `new` in value): the
-        ratio is exactly 1 and the clip idle. A stale one (rl.max_staleness > 0) was sampled by an older
-        policy: its behaviour logprobs are the engine's, and where the policy has since moved a token past
-        1 +- clip_eps in the direction of its advantage, the clip stops the gradient (PPO's trust region),
-        so running ahead cannot compound an update the fresh samples would not make.
+    def update(self, samples: list[Sample], guard: PhaseGuard, *, step_total: int | None = None) -> dict:
+        """Clipped GRPO updates on this rank's share: rl.mini_batches optimizer steps, each accumulating
+        the gradients of forward passes of parallel.micro_batch_size sequences (DDP's all-reduce only
+        on the last: `no_sync` before), each the exact mean over its mini-batch's sequences on all ranks
+        (rlslurm/rl/batches.py). `step_total` = the step's samples over all ranks (None: this share is all).
+
+        The ratio is pi_theta / pi_behaviour, the behaviour log-probs taken once before the first step. A
+        fresh sample (staleness 0) was sampled by these very weights, so its behaviour log-probs are the
+        trainer's own (`old`): the first mini-batch's ratio is exactly 1 and its clip idle, the later ones'
+        ratio is how far the earlier steps moved (PPO's trust region). A stale one (rl.max_staleness > 0)
+        was sampled by an older policy: its behaviour log-probs are the engine's, and where the policy has
+        since moved a token past 1 +- clip_eps in the direction of its advantage, the clip stops the
+        gradient, so running ahead cannot compound an update the fresh samples would not make.
         """
-        clip = self.job.rl.clip_eps
+        job, world = self.job, self.topo.world_size
+        total = len(samples) if step_total is None else step_total
         self.optimizer.zero_grad(set_to_none=True)
-        if not samples:
-            if not step_total:  # no rank has a sample (every group had zero variance): every rank skips
-                return {"loss": 0.0, "tokens": 0, "kl": 0.0, "grad_norm": 0.0}
-            # Peers train this step: join DDP's all-reduce with a zero loss through the DDP wrapper (its
-            # hooks fire only after a forward through it) and take the optimizer step on the averaged
-            # gradient like them, or this rank's weights drift away from theirs.
-            ids = torch.full((1, 2), PAD_ID, dtype=torch.long, device=self.device)
-            loss = self._logprobs(self.ddp, ids, torch.ones_like(ids)).sum() * 0.0
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                                       self.job.train.grad_clip or float("inf"))
+        if not total:  # no rank has a sample (every group had zero variance): every rank skips
+            return {"loss": 0.0, "tokens": 0, "kl": 0.0, "grad_norm": 0.0, "mini_batches": 0}
+        parts = mini_batches(samples, share_sizes(total, world), self.topo.rank, job.rl.mini_batches)
+        micro = [[pack(chunk, PAD_ID).to(self.device) for chunk in micro_batches(part.samples,
+                                                                                 job.parallel.micro_batch_size)]
+                 for part in parts]
+        stats = UpdateStats()
+        behaviour = []
+        with torch.no_grad():  # behaviour log-probs once, before the first optimizer step
+            for part, batches in zip(parts, micro):
+                behaviour.append([])
+                for chunk, batch in zip(micro_batches(part.samples, job.parallel.micro_batch_size), batches):
+                    old = self._packed_logprobs(self.model, batch)
+                    behaviour[-1].append(behaviour_logprobs(batch, old))
+                    stats.observe(chunk, batch, old, behaviour[-1][-1])
+        guard.beat()
+        loss_sum = kl_sum = 0.0
+        for part, batches, behave in zip(parts, micro, behaviour):
+            if not part.total:  # no rank has a sample in this mini-batch: every rank skips it
+                continue
+            if not batches:  # peers train on this mini-batch: join DDP's all-reduce with a zero-weight row
+                batches = [pack([], PAD_ID).to(self.device)]
+                behave = [torch.zeros_like(batches[0].mask)]
+            divisor = part.total / world  # DDP averages the ranks' gradients: x world makes it their sum
+            for i, (batch, b) in enumerate(zip(batches, behave)):
+                last = i == len(batches) - 1
+                with contextlib.nullcontext() if last or self.ddp is self.model else self.ddp.no_sync():
+                    new = self._packed_logprobs(self.ddp, batch)
+                    loss = grpo_objective(new, b, batch, job.rl.clip_eps, divisor)
+                    stats.clip(new, b, batch, job.rl.clip_eps)
+                    if self.reference is not None:
+                        with torch.no_grad():
+                            ref = self._packed_logprobs(self.reference, batch)
+                        kl = kl_to_reference(new, ref, batch, divisor)
+                        loss = loss + job.rl.kl_coef * kl
+                        kl_sum += float(kl.detach()) / world
+                    loss_sum += float(loss.detach()) / world  # / world: this rank's share of the mean
+                    loss.backward()
+                guard.beat()
+            stats.grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                                         job.train.grad_clip or float("inf"))))
             self.optimizer.step()
-            return {"loss": 0.0, "tokens": 0, "kl": 0.0, "grad_norm": float(grad_norm)}
-        width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-        ids = torch.full((len(samples), width), PAD_ID, dtype=torch.long)
-        attn = torch.zeros_like(ids)
-        loss_mask = torch.zeros((len(samples), width - 1))
-        for i, s in enumerate(samples):
-            seq = s.prompt_ids + s.response_ids
-            ids[i, : len(seq)] = torch.tensor(seq)
-            attn[i, : len(seq)] = 1
-            # position t predicts token t+1: response tokens are predicted from len(prompt)-1 on
-            loss_mask[i, len(s.prompt_ids) - 1: len(seq) - 1] = 1.0
-        ids, attn, loss_mask = ids.to(self.device), attn.to(self.device), loss_mask.to(self.device)
-        adv = torch.tensor([s.advantage for s in samples], device=self.device)[:, None]
-        with torch.no_grad():
-            old = self._logprobs(self.model, ids, attn)
-        behaviour = old
-        stale = [i for i, s in enumerate(samples) if s.staleness > 0]
-        if stale:
-            behaviour = old.clone()
-            for i in stale:
-                s = samples[i]
-                behaviour[i, len(s.prompt_ids) - 1: len(s.prompt_ids) - 1 + len(s.engine_logprobs)] = \
-                    torch.tensor(s.engine_logprobs, device=self.device)
-        new = self._logprobs(self.ddp, ids, attn)
-        ratio = torch.exp(new - behaviour)
-        surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip, 1 + clip) * adv)
-        tokens = loss_mask.sum().clamp(min=1.0)
-        # GRPO's sequence-level mean: every response weighs the same whatever its length, so a long wrong
-        # answer does not outvote a short right one.
-        per_seq = loss_mask.sum(1).clamp(min=1.0)
-        loss = -((surrogate * loss_mask).sum(1) / per_seq).mean()
-        kl = torch.tensor(0.0, device=self.device)
-        if self.reference is not None:
-            with torch.no_grad():
-                ref = self._logprobs(self.reference, ids, attn)
-            # k3 estimator (Schulman): unbiased, always >= 0
-            kl = (((torch.exp(ref - new) - (ref - new) - 1) * loss_mask).sum(1) / per_seq).mean()
-            loss = loss + self.job.rl.kl_coef * kl
-        guard.beat()
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                                   self.job.train.grad_clip or float("inf"))
-        self.optimizer.step()
-        guard.beat()
-        # The engine sampled a fresh sample with exactly these weights: a gap means a sync or masking bug.
-        # A stale sample's gap is how far the policy moved since; the clip fraction says how much it bit.
-        fresh = [(i, s) for i, s in enumerate(samples) if s.staleness == 0]
-        engine_lp = [lp for _, s in fresh for lp in s.engine_logprobs]
-        trainer_lp = [old[i, len(s.prompt_ids) - 1 + j].item() for i, s in fresh for j in range(len(s.engine_logprobs))]
-        gap = max((abs(a - b) for a, b in zip(engine_lp, trainer_lp)), default=0.0)
-        with torch.no_grad():
-            clipped = ((ratio - 1).abs() > clip).float()
-            clip_fraction = float((clipped * loss_mask).sum() / tokens)
-            drift = float(((old - behaviour).abs() * loss_mask).sum() / tokens)
-        return {"loss": float(loss.detach()), "tokens": int(tokens), "kl": float(kl.detach()),
-                "grad_norm": float(grad_norm), "engine_trainer_logprob_gap": gap, "clip_fraction": clip_fraction,
-                "stale_logprob_drift": drift}
+            self.optimizer.zero_grad(set_to_none=True)
+        steps = len(stats.grad_norms)
+        loss_kl = torch.tensor([loss_sum, kl_sum], dtype=torch.float64, device=self.device)
+        if world > 1:  # every rank trains this step: the loss of each mini-batch, over all its sequences
+            dist.all_reduce(loss_kl)
+        return {"loss": float(loss_kl[0]) / max(steps, 1), "kl": float(loss_kl[1]) / max(steps, 1),
+                "mini_batches": steps, **stats.result()}
 
 
 def make_policy(job: JobConfig, topo: Topology, model_dir: Path) -> RLPolicy:

@@ -27,10 +27,16 @@ Every task runs the cluster's TaskProlog, which prints `export NAME=value` lines
 <dir>/node-env/<node> when that file exists (`set_node_env`): how a test gives one node an environment of its
 own, as a misconfigured node's own setup would (SLURM applies TaskProlog exports over what srun passed).
 
+Network: each node in a network namespace of its own, with its own address on a private bridge
+(rlslurm/slurm/netns.py: 10.A.B.11-17, A.B from the port base); slurmctld and munged stay in the root
+namespace, which the nodes reach at its own address. RLSLURM_LOCAL_NODE_NETWORK=0 puts every node on
+127.0.0.1 instead (the fallback where namespaces cannot be made).
+
 Ports: slurmctld `port_base` (16817 by default, or $RLSLURM_SLURM_PORT_BASE), slurmd port_base+184 ..
 +190; two clusters on one machine need two port bases (and two dirs). Job ids start at
 1 + 1000 * (port_base - 16817), so jobs of two clusters never derive the same rendezvous port.
-cred_expire=5 makes a requeued job restart after ~6 s instead of ~136 s. Accounting is off; finished jobs
+cred_expire=5 makes a requeued job restart after ~6 s instead of ~136 s. SlurmdTimeout=20: a node that stops
+answering (its link cut) is DOWN, and its jobs requeued off it, after ~20 s instead of 300. Accounting is off; finished jobs
 are in `jobcomp.txt` (read with `sacct -c`, see commands.sacct).
 """
 
@@ -52,6 +58,7 @@ from typing import Callable
 
 from rlslurm.errors import SlurmCommandError
 from rlslurm.slurm import commands
+from rlslurm.slurm.netns import NodeNetwork, host_address
 
 log = logging.getLogger("rlslurm.slurm.localcluster")
 
@@ -71,11 +78,12 @@ f={env_dir}/"$SLURMD_NODENAME"
 if [ -f "$f" ]; then cat "$f"; fi
 exit 0
 """
+NODE_NETWORK_ENV = "RLSLURM_LOCAL_NODE_NETWORK"
 
 SLURM_CONF = """\
 # Written by rlslurm.slurm.localcluster: a throwaway test cluster, all state under {d}
 ClusterName=rlslurm-local
-SlurmctldHost=localhost
+SlurmctldHost={ctld_host}
 SlurmUser=root
 SlurmctldPort={ctld_port}
 FirstJobId={first_job_id}
@@ -104,14 +112,14 @@ PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
 JobRequeue=1
 KillWait=5
+SlurmdTimeout=20
 MinJobAge=600
 InactiveLimit=0
 JobCompType=jobcomp/filetxt
 JobCompLoc={d}/jobcomp.txt
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
-NodeName=n[1-5] NodeHostname=localhost NodeAddr=127.0.0.1 Port={cpu_ports} CPUs=2 RealMemory=2000 State=UNKNOWN
-NodeName=n[6-7] NodeHostname=localhost NodeAddr=127.0.0.1 Port={gpu_ports} CPUs={gpus} RealMemory=2000 Gres=gpu:{gpus} State=UNKNOWN
+{node_lines}
 {partitions}
 PartitionName={urgent} Nodes=n[1-5] PriorityTier=10 MaxTime=INFINITE State=UP
 """
@@ -123,6 +131,9 @@ class LocalCluster:
 
     dir: Path
     port_base: int = int(os.environ.get("RLSLURM_SLURM_PORT_BASE", CTLD_PORT))
+    node_network: bool = os.environ.get(NODE_NETWORK_ENV, "1") != "0"
+    """Each node in a network namespace of its own with its own address (rlslurm/slurm/netns.py); False (or
+    RLSLURM_LOCAL_NODE_NETWORK=0): every node on 127.0.0.1, the fallback where namespaces cannot be made."""
 
     conf = property(lambda self: self.dir / "slurm.conf")
     munge_socket = property(lambda self: self.dir / "munge.sock")
@@ -152,11 +163,14 @@ class LocalCluster:
         parts = "\n".join(f"PartitionName={p} Nodes={n} Default={'YES' if p == 'train' else 'NO'} "
                           f"PriorityTier=1 MaxTime=INFINITE State=UP" for p, n in PARTITIONS.items())
         first = self.port_base + SLURMD_PORT_OFFSET
-        gpu_first = first + len(CPU_NODES)
-        self.conf.write_text(SLURM_CONF.format(
-            d=d, ctld_port=self.port_base, cpu_ports=f"{first}-{gpu_first - 1}",
-            gpu_ports=f"{gpu_first}-{gpu_first + len(GPU_NODES) - 1}", gpus=GPUS_PER_NODE,
-            first_job_id=1 + 1000 * (self.port_base - CTLD_PORT), partitions=parts, urgent=URGENT_PARTITION))
+        net = self.network()
+        # slurmctld stays in the root namespace; the nodes reach it at the host's own address
+        ctld_host = "localhost" if net is None else f"localhost({net.host})"
+        nodes = "\n".join(f"NodeName={n} NodeHostname=localhost NodeAddr={net.address(n) if net else '127.0.0.1'} "
+                           f"Port={first + i} {_resources(n)}" for i, n in enumerate(NODES))
+        self.conf.write_text(SLURM_CONF.format(d=d, ctld_port=self.port_base, ctld_host=ctld_host, node_lines=nodes,
+                                               first_job_id=1 + 1000 * (self.port_base - CTLD_PORT),
+                                               partitions=parts, urgent=URGENT_PARTITION))
 
     def set_node_env(self, node: str, env: dict[str, str]) -> None:
         """Give every task that starts on `node` from now on these variables, over what srun passed (through
@@ -171,6 +185,18 @@ class LocalCluster:
     def clear_node_env(self, node: str) -> None:
         """Undo set_node_env: the node's tasks get what srun passes again."""
         (self.dir / "node-env" / node).unlink(missing_ok=True)
+
+    def network(self) -> NodeNetwork | None:
+        """The nodes' private network (None with node_network off); the same for every call of one cluster."""
+        return NodeNetwork.for_port_base(self.port_base, NODES, host=self._host()) if self.node_network else None
+
+    def _host(self) -> str:
+        """The host address the network was made with (kept in the cluster's dir for `down` and the tests)."""
+        path = self.dir / "host-address"
+        if not path.exists():
+            self.dir.mkdir(parents=True, exist_ok=True)
+            path.write_text(host_address())
+        return path.read_text().strip()
 
     def up(self, *, timeout_s: float = 30.0, clock: Callable[[], float] = time.monotonic,
            sleep: Callable[[float], None] = time.sleep) -> float:
@@ -187,9 +213,13 @@ class LocalCluster:
         _daemon(["munged", f"--socket={self.munge_socket}", f"--key-file={d / 'munge.key'}",
                  f"--pid-file={d / 'munged.pid'}", f"--log-file={d / 'munged.log'}",
                  f"--seed-file={d / 'munged.seed'}", "--force"], d / "munged.out")
+        net = self.network()
+        if net is not None:
+            net.up()
         _daemon(["slurmctld", "-f", str(self.conf), "-c"], d / "slurmctld.out")
         for node in NODES:
-            _daemon(["slurmd", "-f", str(self.conf), "-N", node], d / f"slurmd-{node}.out")
+            prefix = net.exec_prefix(node) if net is not None else []
+            _daemon([*prefix, "slurmd", "-f", str(self.conf), "-N", node], d / f"slurmd-{node}.out")
         self.wait_idle(timeout_s=timeout_s - (clock() - started), clock=clock, sleep=sleep)
         return clock() - started
 
@@ -250,6 +280,8 @@ class LocalCluster:
             if _alive(pid):
                 log.warning("%s (pid %d) ignored SIGTERM for %.0f s: SIGKILL", name, pid, grace_s)
                 os.kill(pid, signal.SIGKILL)
+        if self.node_network and (self.dir / "host-address").exists():
+            self.network().down()
         return sorted(pids)
 
     def _cancel_all_jobs(self, grace_s: float, clock: Callable[[], float],
@@ -275,6 +307,13 @@ class LocalCluster:
             if tail:
                 out.append(f"--- {f}\n" + "\n".join(tail))
         return "\n".join(out)
+
+
+def _resources(node: str) -> str:
+    """slurm.conf's resources of a node: 2 CPUs, or 4 CPUs and 4 placeholder GPUs on the GPU nodes."""
+    if node in GPU_NODES:
+        return f"CPUs={GPUS_PER_NODE} RealMemory=2000 Gres=gpu:{GPUS_PER_NODE} State=UNKNOWN"
+    return "CPUs=2 RealMemory=2000 State=UNKNOWN"
 
 
 def _alive(pid: int) -> bool:

@@ -83,6 +83,7 @@ def rl_config(path: Path, run_root: Path, init_from: Path, *, method: str, coloc
         "train": {"steps": STEPS, "lr": 3.0e-4, "seed": 0, "init_from": str(init_from), "step_delay_s": step_delay_s},
         # Synchronous: trajectory equality across a SLURM stop is asserted (docs/rl-overlap.md on k >= 1).
         "rl": {"prompts_per_step": 16, "samples_per_prompt": 8, "eval_every": 100, "max_staleness": 0},
+        "parallel": {"micro_batch_size": 64},  # a rank's 64 samples in one forward, as before micro-batches
         "rollout": {"engines": 1, "max_new_tokens": 8, "temperature": 1.0},
         "task": {"max_operand": 99, "operations": ["+", "-"], "train_size": 4000, "eval_size": 200, "seed": 1234},
         "sync": {"method": method},

@@ -33,7 +33,7 @@ def sft_config(path: Path, run_root: Path, *, backend: str, step_delay_s: float 
         "placement": {"mode": "colocate"},
         "hardware": {"profile": "cpu", "nodes": 1, "gpus_per_node": 2},
         "train": {"steps": STEPS, "lr": 3.0e-3, "batch_size": 16, "warmup_steps": 5, "lr_schedule": "cosine",
-                  "seed": 0, "dist_timeout_s": 60, "step_delay_s": step_delay_s},
+                  "seed": 0, "dist_timeout_s": 600, "step_delay_s": step_delay_s},
         "task": {"train_size": 400, "eval_size": 20, "seed": 1234},
         "checkpoint": {"interval_steps": INTERVAL, "cost_s": 0.5, "kill_wait_s": su.KILL_WAIT_S},
         "cluster": {"backend": backend, "time_limit_min": 5, "run_root": str(run_root)},

@@ -31,7 +31,7 @@ import yaml
 from rlslurm import events, launch
 from rlslurm.config import load_config
 from rlslurm.errors import RlslurmError
-from rlslurm.jobs.toytrain import FAIL_ENV, STALL_ENV
+from rlslurm.jobs.toytrain import FAIL_ENV, SKIP_ENV, STALL_ENV
 from rlslurm.rundir import RunDir, read_jsonl
 from rlslurm.sync.buckets import CORRUPT_ENV
 from waiting import wait_for
@@ -148,6 +148,17 @@ def hang(root: Path) -> Made:
     diag = {"heartbeat_interval_s": 0.2, "hang_timeout_s": 3, "watch_interval_s": 0.25, "hang_policy": "fail",
             "kill_grace_s": 1.0, "phase_timeouts_s": {"start": 120, "checkpoint": 60}}
     sub = submit(toy_config(root / "hang.yaml", steps=100, diag=diag), root / "runs", env={STALL_ENV: "1@3:sleep"})
+    assert ended(sub) != "ok"
+    return Made(sub.run_dir)
+
+
+def desync(root: Path) -> Made:
+    """Rank 1 skips the loss all_reduce of step 3 (the toy job's RLSLURM_TEST_SKIP_COLLECTIVE): its next
+    collective meets rank 0's out of order and both hang inside a collective; the node agent reads both
+    flight recorders, names rank 1, the all_reduce and its sequence number, and (policy fail) ends them."""
+    diag = {"heartbeat_interval_s": 0.2, "hang_timeout_s": 3, "watch_interval_s": 0.25, "hang_policy": "fail",
+            "kill_grace_s": 1.0, "phase_timeouts_s": {"start": 120, "checkpoint": 60}}
+    sub = submit(toy_config(root / "desync.yaml", steps=100, diag=diag), root / "runs", env={SKIP_ENV: "1@3"})
     assert ended(sub) != "ok"
     return Made(sub.run_dir)
 
@@ -312,7 +323,8 @@ def node_failure(root: Path) -> Made:
 CLUSTER = {"time_limit": time_limit, "preempted": preempted, "node_failure": node_failure}
 """The causes only SLURM makes: recorded with a local Slurm up (tests/data/diag/record.py --cluster)."""
 
-LOCAL = {"finished": finished, "exception": exception, "hang": hang, "running": running, "unknown": unknown,
+LOCAL = {"finished": finished, "exception": exception, "hang": hang, "desync": desync, "running": running,
+         "unknown": unknown,
          "oom": oom, "reward_down": reward_down, "sync_failure": sync_failure, "env_mismatch": env_mismatch,
          "engine_crash": engine_crash}
 """Cause (as `rlslurm diag` names it) -> the scenario that makes it happen here."""

@@ -62,7 +62,8 @@ def rank_main(run_dir: str, mode: str) -> None:
 def _spawn(run: RunDir, args: list[str], name: str, env: dict | None = None) -> subprocess.Popen:
     env = {**os.environ, "TORCH_HUB_TOKEN": HF, "OMP_NUM_THREADS": "1", **(env or {})}
     env.pop("SLURMD_NODENAME", None)
-    return subprocess.Popen([sys.executable, *args], env=env, stdout=open(run.logs / name, "w"),
+    # Append mode: the hung test writes a planted line into rank 0's log while the rank writes to it too.
+    return subprocess.Popen([sys.executable, *args], env=env, stdout=open(run.logs / name, "a"),
                             stderr=subprocess.STDOUT)
 
 

@@ -5,7 +5,8 @@
 On CPU: the packed batch and the GRPO objective give the torch Policy's loss to float precision (fresh
 and stale samples), and a real Megatron GPTModel (CPU shims, gloo, world 1) loaded from the embedded
 model's HF export gives transformers' log-probabilities through `token_logprobs` (labels aligned, the
-checkpoint's RMSNorm epsilon used). On a GPU (`@pytest.mark.gpu`, skipped here): one update through
+checkpoint's RMSNorm epsilon used); split into mini-batches and micro-batches, the Megatron policy's split
+(`prepare`) and its schedule's forward step give the torch Policy's loss of the same split. On a GPU (`@pytest.mark.gpu`, skipped here): one update through
 Megatron's DDP and optimizer changes the weights, the HF-named weights round-trip, a resume from a
 checkpoint takes the next step as the uninterrupted run (Adam's moments restored), and a weight sync
 with VERIFY reaches a vLLM engine (IPC, one GPU) and an HF engine over NCCL (two GPUs). None of the gpu
@@ -27,7 +28,7 @@ import torch.multiprocessing as mp
 from rlslurm.config import JobConfig
 from rlslurm.rl.experience import Sample
 from rlslurm.rl.policy import Policy
-from rlslurm.megatron.policy import behaviour_logprobs, grpo_objective, pack
+from rlslurm.rl.objective import behaviour_logprobs, grpo_objective, pack
 from rlslurm.modelspec import ModelConfig
 from rlslurm.tokenizer import PAD_ID
 
@@ -112,19 +113,27 @@ def _topology():
     return Topology(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=0)
 
 
-def _logprobs_worker(rank: int, port: int, model_dir: str, out: str):
+def _cpu_gpt(port: int, model_dir: str):
+    """In a spawned process: a world of one over gloo, and Megatron's GPTModel on CPU loaded from model_dir."""
     os.environ["HF_HUB_OFFLINE"] = "1"
     torch.set_num_threads(1)
     from rlslurm.dist import Topology, init_process_group
     from rlslurm.megatron.convert import Layout, SafetensorsDir, load_hf_into
     from rlslurm.megatron.model import build_gpt_model, init_parallel
-    from rlslurm.megatron.policy import hf_model_spec, token_logprobs
+    from rlslurm.megatron.policy import hf_model_spec
 
     init_process_group(Topology(0, 1, 0, "127.0.0.1", port), timeout_s=60)
     spec, eps = hf_model_spec(model_dir)
     init_parallel(Layout(), seed=1)
     gpt = build_gpt_model(spec, Layout(), parallel_output=True, layernorm_epsilon=eps)
     load_hf_into(gpt, SafetensorsDir(model_dir), spec, Layout())
+    return gpt
+
+
+def _logprobs_worker(rank: int, port: int, model_dir: str, out: str):
+    from rlslurm.megatron.policy import token_logprobs
+
+    gpt = _cpu_gpt(port, model_dir)
     batch = pack(_samples(), PAD_ID)
     with torch.no_grad():
         torch.save(token_logprobs(gpt.eval(), batch.tokens, batch.labels), out)
@@ -148,6 +157,56 @@ def test_megatron_logprobs_match_transformers_on_cpu(tmp_path):
     mask = batch.mask > 0
     diff = (megatron[mask] - hf[mask]).abs().max().item()
     assert diff < 1e-4, diff
+
+
+def _split_job(**train) -> JobConfig:
+    """Two mini-batches of the six samples ([3, 3]), forwards of two sequences: micro-batches [2, 1] each."""
+    job = _job(**train)
+    return dataclasses.replace(job, parallel=dataclasses.replace(job.parallel, micro_batch_size=2),
+                               rl=dataclasses.replace(job.rl, mini_batches=2))
+
+
+def _split_loss_worker(rank: int, port: int, model_dir: str, out: str):
+    """Megatron's side of the update on CPU: its split (`prepare`) and its schedule's forward_step and loss
+    function per micro-batch, summed as the schedule reports them; no optimizer (Megatron's needs CUDA)."""
+    from rlslurm.megatron.policy import _forward_step, prepare, token_logprobs
+
+    gpt = _cpu_gpt(port, model_dir).eval()
+    job, found = _split_job(), {}
+    for stale in (False, True):
+        samples = _samples(stale)
+        parts, chunks, behaviour, stats = prepare(samples, [len(samples)], 0, job,
+                                                  lambda c: token_logprobs(gpt, c.tokens, c.labels), "cpu")
+        losses = []
+        with torch.no_grad():
+            for part, part_chunks, behave in zip(parts, chunks, behaviour):
+                step = 0.0
+                for chunk, b in zip(part_chunks, behave):
+                    nll, loss_func = _forward_step(job.rl.clip_eps, part.total, len(part_chunks), stats,
+                                                   iter([(chunk, b)]), gpt)
+                    _, reported = loss_func(nll)
+                    step += float(reported["loss"])
+                losses.append(step)
+        found[stale] = {"losses": losses, "micro": [len(c) for c in chunks], "tokens": stats.result()["tokens"]}
+    torch.save(found, out)
+
+
+def test_megatron_and_torch_give_the_same_loss_for_the_same_micro_and_mini_batches(tmp_path):
+    """The same samples, two mini-batches of micro-batches of two: the Megatron policy's split and
+    objective (its schedule's forward_step on a CPU GPTModel) and the torch Policy's update report the same
+    loss. The torch policy steps after its first mini-batch; at lr 1e-9 that moves no log-prob past 1e-6,
+    so the second mini-batch's loss is taken at the same weights on both sides."""
+    model_dir = _export(tmp_path / "init")
+    mp.spawn(_split_loss_worker, args=(_free_port(), str(model_dir), str(tmp_path / "split.pt")), nprocs=1,
+             join=True)
+    for stale, megatron in torch.load(tmp_path / "split.pt").items():
+        assert megatron["micro"] == [2, 2]  # 3 samples each: forwards of 2 and 1
+        policy = Policy(_split_job(lr=1e-9), _topology(), model_dir)
+        stats = policy.update(_samples(stale), _Guard(), step_total=6)
+        assert stats["mini_batches"] == 2 and stats["tokens"] == megatron["tokens"]
+        ours = sum(megatron["losses"]) / len(megatron["losses"])
+        assert ours == pytest.approx(stats["loss"], abs=1e-5), (stale, megatron["losses"], stats["loss"])
+        assert abs(ours) > 1e-3
 
 
 # -- GPU (skipped on CPU by tests/conftest.py; none has run yet) -------------------------------------

@@ -20,6 +20,7 @@ CAUSES = {
     "finished": "finished OK",
     "exception": "Python exception in train-0 during phase train step 3: RuntimeError: toy fault",
     "hang": "hang in collective all_reduce on ranks train-0, waiting on train-1",
+    "desync": "collective desync: train-1 skipped all_reduce #",
     "running": "still running (step",
     "unknown": "no cause found",
     "oom": "can't allocate memory",

@@ -13,6 +13,7 @@ evidence goes to tests/data/diag/<cause>/:
     run/layout.json                       decided: placement, sync method, engines)
     heartbeats/*.json, env/*.json         every process's last heartbeat and env fingerprint
     logs/**.tail                          the last LOG_LINES lines of every log (not submitit's pickles)
+    collectives/                          the ranks' flight-recorder records the node agent read on a hang
     recorded.json                         what no file holds: when (`recorded_at`), on which host, which
                                           heartbeats' processes were alive then, SLURM's state of the job,
                                           how the run was made, and the headline diag printed
@@ -46,7 +47,7 @@ from rlslurm.rundir import RunDir  # noqa: E402
 
 LOG_LINES = 60
 """Lines kept of each log: the cause is in the tail, and the files stay small."""
-KEPT = ("run/events.jsonl", "run/config.yaml", "run/layout.json", "heartbeats/", "env/", "logs/")
+KEPT = ("run/events.jsonl", "run/config.yaml", "run/layout.json", "heartbeats/", "env/", "logs/", "collectives/")
 
 
 def record(cause: str, made: failures.Made, how, out_root: Path = HERE) -> dict:

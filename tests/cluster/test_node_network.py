@@ -1,0 +1,111 @@
+"""Nodes with addresses of their own: each slurmd of the local cluster runs in a network namespace with its own
+address on a private bridge (rlslurm/slurm/netns.py), so the roles must bind and dial what SLURM gives them.
+
+    RLSLURM_SLURM_PORT_BASE=41817 python -m pytest -q -s tests/cluster/test_node_network.py
+
+- every node answers at its own NodeAddr, and a task sees that address on its own interface;
+- two ranks on two nodes join one gloo group at the first node's NodeAddr (rlslurm.dist: MASTER_ADDR from
+  SLURM, gloo bound to the interface holding the node's address) and all-reduce across the bridge;
+- a node's link cut mid-step (its veth at the bridge set down): SLURM finds it not responding and requeues
+  the whole het job off it (NODE_FAIL), the restart names the lost node (`node_lost`), `rlslurm diag`
+  says so, and the job resumes from its last complete checkpoint and finishes.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from rlslurm.cli.main import cli
+from rlslurm.slurm import commands
+import spine_util as su
+from spine_util import STEPS
+from waiting import wait_for
+
+pytestmark = pytest.mark.cluster
+
+JOB_TIMEOUT_S = 240
+
+
+def _net(slurm_cluster):
+    net = slurm_cluster.cluster.network()
+    assert net is not None, "the test cluster runs without per-node addresses (RLSLURM_LOCAL_NODE_NETWORK=0)"
+    return net
+
+
+def test_every_node_has_its_own_address_and_a_task_sees_it(slurm_cluster):
+    net = _net(slurm_cluster)
+    addrs = {n: commands.show_node(n)[0]["NodeAddr"] for n in net.nodes}
+    assert addrs == {n: net.address(n) for n in net.nodes} and len(set(addrs.values())) == len(addrs)
+    assert not any(a.startswith("127.") for a in addrs.values())
+    out = commands.run(["srun", "-p", "train", "-N2", "-n2", "--time=1", sys.executable, "-c",
+                        "import os; from rlslurm.dist import interface_of, node_address; "
+                        "n = os.environ['SLURMD_NODENAME']; a = node_address(n); print(n, a, interface_of(a))"],
+                       timeout_s=60).stdout
+    seen = sorted(line.split() for line in out.splitlines() if line.strip())
+    assert seen == [["n1", addrs["n1"], "eth0"], ["n2", addrs["n2"], "eth0"]], out
+
+
+GLOO = """
+import os, torch, torch.distributed as dist
+from rlslurm.dist import Topology, bind_to_node_address, init_process_group
+iface = bind_to_node_address()
+topo = Topology.detect()
+init_process_group(topo, timeout_s=60, backend="gloo")
+x = torch.tensor([float(topo.rank + 1)])
+dist.all_reduce(x)
+print(os.environ["SLURMD_NODENAME"], topo.master_addr, iface, x.item(), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_two_ranks_on_two_nodes_meet_at_the_address_slurm_gives(slurm_cluster):
+    net = _net(slurm_cluster)
+    out = commands.run(["srun", "-p", "train", "-N2", "-n2", "--time=2", sys.executable, "-c", GLOO],
+                       timeout_s=120).stdout
+    rows = sorted(line.split() for line in out.splitlines() if line.strip())
+    assert rows == [["n1", net.address("n1"), "eth0", "3.0"], ["n2", net.address("n1"), "eth0", "3.0"]], out
+
+
+def test_a_node_cut_off_mid_step_is_named_and_the_job_requeued_off_it(slurm_cluster, tmp_path):
+    net = _net(slurm_cluster)
+    sub = su.submit(su.toy_config(tmp_path / "cut.yaml", tmp_path / "runs", step_delay_s=0.3))
+    run = Path(sub.run_dir)
+    wait_for("the toy job past its first checkpoint", lambda: su.last_step(run) >= su.INTERVAL + 1,
+             JOB_TIMEOUT_S, on_poll=slurm_cluster.kick)
+    (rollout,) = {p["node"] for p in su.placements(run, "rollout", 0)}
+    cut_at = time.time()
+    net.cut(rollout)
+    try:
+        wait_for(f"SLURM to requeue job {sub.job_id} off {rollout}", lambda: su.placements(run, "train", 1),
+                 JOB_TIMEOUT_S, on_poll=slurm_cluster.kick)
+        took = su.wait_done(sub.job_id, run, JOB_TIMEOUT_S, slurm_cluster.kick)
+    finally:
+        net.mend(rollout)
+    (lost,) = su.events(run, "node_lost")
+    assert lost["node"] == rollout and lost["restart_count"] == 1, lost
+    assert "DOWN" in lost["state"] or "NOT_RESPONDING" in lost["state"], lost
+    assert {p["node"] for p in su.placements(run, restart=1)}.isdisjoint({rollout})
+    (resumed,) = su.events(run, "resume")
+    assert resumed["restart_count"] == 1 and resumed["step"] >= su.INTERVAL
+    assert su.last_step(run) == STEPS
+    result = CliRunner().invoke(cli, ["diag", str(run), "--out", str(tmp_path / "bundle"), "--no-live"])
+    assert result.exit_code == 0, result.output
+    assert f"node failure: {rollout} lost (" in result.output, result.output
+    print(f"MEASURE cut link of {rollout}: the restart off it named the node {lost['t'] - cut_at:.1f} s after the "
+          f"cut (SlurmdTimeout 20 s, then SLURM's requeue); the job was done {took:.1f} s after the restart appeared")
+    _return_to_service(rollout)
+
+
+def _return_to_service(node: str) -> None:
+    """Give a cut node back to the other tests: once its slurmd answers again, RESUME it if SLURM holds it DOWN."""
+    wait_for(f"{node}'s slurmd answering again", lambda: "NOT_RESPONDING" not in commands.show_node(node)[0]["State"],
+             60, poll_s=1)
+    if "DOWN" in commands.show_node(node)[0]["State"]:
+        commands.scontrol("update", f"NodeName={node}", "State=RESUME")
+    wait_for(f"{node} idle", lambda: commands.show_node(node)[0]["State"].startswith("IDLE"), 60, poll_s=1)
