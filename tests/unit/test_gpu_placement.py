@@ -57,32 +57,52 @@ def test_a_gpu_profile_asks_one_gpu_per_rank_and_tp_per_engine():
     assert json.loads(render_json(plan))["gpus"]["rollout_per_node"] == 4
 
 
-def test_the_plan_refuses_a_rollout_node_asked_for_more_gpus_than_it_has():
-    """placement.mode auto: the plan picks 2 rollout nodes of 2 GPUs for 5 engines of TP 1, 3 on a node (the
-    config rule at load sees no split yet); submit refuses, naming the keys and the numbers."""
+def test_the_plan_never_chooses_a_node_asked_for_more_gpus_than_it_has():
+    """placement.mode auto on 3 nodes of 2 GPUs, 4 engines of TP 1: colocated (4 beside trainer rank 0) and one
+    rollout node (4 on it) each ask a node for 4 GPUs, shown with the keys and numbers; the plan takes 2 rollout
+    nodes (2 engines, 2 GPUs each)."""
+    plan = build_plan(_job(*GPU, "placement.mode=auto", "placement.rollout_nodes=null", "hardware.nodes=3",
+                           "rollout.engines=4"))
+    assert (plan.placement, plan.chosen.rollout_nodes) == ("separate", 2)
+    assert not [p for p in preflight(plan) if "GPUs" in p]
+    refused = {(o.placement, o.split.rollout_nodes) for o in plan.options if "more GPUs than a node has" in o.reasons}
+    assert refused == {("colocate", 0), ("separate", 1)}
+    (one_node,) = {b for o in plan.options if (o.placement, o.split.rollout_nodes) == ("separate", 1)
+                   for b in o.blockers if b.startswith("GPUs:")}
+    assert one_node.startswith("GPUs: rollout.engines = 4 on 1 rollout node(s) is 4 engine(s) of rollout.tp = 1 per "
+                               "node, 4 GPUs of their own, but hardware.gpus_per_node = 2")
+    assert "faster but refused: colocate, ipc sync" in render_text(plan) and "more GPUs than a node has" in \
+        render_text(plan)
+
+
+def test_the_plan_refuses_a_layout_whose_every_option_asks_a_node_for_more_gpus_than_it_has():
+    """5 engines on 3 nodes of 2 GPUs: colocated 5, one rollout node 5, two rollout nodes 3 on a node; every
+    option over-asks, and plan and submit refuse, naming the keys and the numbers."""
     job = _job(*GPU, "placement.mode=auto", "placement.rollout_nodes=null", "hardware.nodes=3", "rollout.engines=5")
     plan = build_plan(job)
-    assert (plan.placement, plan.chosen.rollout_nodes) == ("separate", 2)
-    (problem,) = [p for p in preflight(plan) if p.startswith("GPUs:")]
-    assert problem.startswith("GPUs: rollout.engines = 5 on 2 rollout node(s) is 3 engine(s) of rollout.tp = 1 per "
-                              "node, 3 GPUs of their own, but hardware.gpus_per_node = 2")
+    assert all("more GPUs than a node has" in o.reasons for o in plan.options)
+    two_nodes = {b for o in plan.options if o.split.rollout_nodes == 2 for b in o.blockers if b.startswith("GPUs:")}
+    assert two_nodes == {"GPUs: rollout.engines = 5 on 2 rollout node(s) is 3 engine(s) of rollout.tp = 1 per node, "
+                         "3 GPUs of their own, but hardware.gpus_per_node = 2: lower rollout.engines or rollout.tp, or "
+                         "give rollout more nodes (placement.rollout_nodes)"}
+    (problem,) = [p for p in preflight(plan) if "GPUs:" in p]
+    assert "GPUs: rollout.engines = 5 of rollout.tp = 1 colocated beside trainer rank 0 need 5 GPUs of their own on " \
+           "its node, but hardware.gpus_per_node = 2" in problem
     assert f"preflight: REFUSE: {problem}" in render_text(plan)
-    with pytest.raises(PreflightError, match="3 GPUs of their own, but hardware.gpus_per_node = 2"):
+    with pytest.raises(PreflightError, match="need 5 GPUs of their own on its node, but hardware.gpus_per_node = 2"):
         launch.checked_plan(job)
-    assert not [p for p in preflight(build_plan(_job(*GPU, "placement.mode=auto", "placement.rollout_nodes=null",
-                                                     "hardware.nodes=3", "rollout.engines=4"))) if "GPUs" in p]
 
 
 def test_the_plan_refuses_colocated_engines_that_would_share_a_gpu():
     job = _job(*GPU, "placement.mode=colocate", "placement.rollout_nodes=null", "hardware.nodes=1",
                "sync.method=ipc", "rollout.engines=3")
-    (problem,) = [p for p in preflight(build_plan(job)) if p.startswith("GPUs:")]
+    (problem,) = [p for p in preflight(build_plan(job)) if "GPUs:" in p]
     assert "rollout.engines = 3 of rollout.tp = 1 colocated beside trainer rank 0 need 3 GPUs of their own on its " \
            "node, but hardware.gpus_per_node = 2 (two engines would share one)" in problem
     # The cpu profile has no GPUs to share: its engines are processes.
     cpu = _job("placement.mode=colocate", "placement.rollout_nodes=null", "hardware.nodes=1", "sync.method=ipc",
                "rollout.engines=3")
-    assert not [p for p in preflight(build_plan(cpu)) if p.startswith("GPUs:")]
+    assert not [p for p in preflight(build_plan(cpu)) if "GPUs:" in p]
 
 
 def test_gpus_in_gres_are_refused_where_the_plan_asks_them():
@@ -210,9 +230,12 @@ def test_the_local_cluster_backs_gpu_gres_with_placeholder_devices(tmp_path):
     cluster = LocalCluster(tmp_path, port_base=16817)
     cluster.write_config()
     conf = cluster.conf.read_text()
-    assert "GresTypes=gpu" in conf and f"NodeName=n[6-7] " in conf and f"Gres=gpu:{GPUS_PER_NODE}" in conf
+    assert "GresTypes=gpu" in conf
+    nodes = {line.split()[0][len("NodeName="):]: line for line in conf.splitlines() if line.startswith("NodeName=")}
+    assert sorted(nodes) == [f"n{i}" for i in range(1, 8)]
+    assert all(f"CPUs={GPUS_PER_NODE} RealMemory=2000 Gres=gpu:{GPUS_PER_NODE} " in nodes[n] for n in GPU_NODES)
+    assert not [n for n, line in nodes.items() if "Gres=" in line and n not in GPU_NODES]  # CPU nodes: no GRES
     assert "PartitionName=train-gpu Nodes=n6" in conf and "PartitionName=rollout-gpu Nodes=n7" in conf
-    assert "NodeName=n[1-5] " in conf.split("Gres=")[0]  # the CPU nodes have no GRES
     gres = (tmp_path / "gres.conf").read_text()
     assert gres == f"NodeName=n[6-7] Name=gpu File={tmp_path}/dev/gpu[0-{GPUS_PER_NODE - 1}]\n"
     for i in range(GPUS_PER_NODE):  # slurmd 22.05 takes only character or block devices for File=
