@@ -54,7 +54,7 @@ def bench_judge(responses: int, concurrency: int, latency_s: float) -> dict:
     try:
         with RewardSupervisor(cfg, log_dir=tempfile.mkdtemp(prefix="bench-reward-")) as sup:
             async def step():
-                async with RewardClient(cfg, sup.url) as client:
+                async with RewardClient(cfg, sup.url, token=sup.token) as client:
                     await client.step(0).finish()  # warm the connection pool outside the timing
                     scores = client.step(1)
                     start = time.monotonic()

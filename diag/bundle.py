@@ -16,7 +16,8 @@ Redaction, everywhere, before anything is written: values of keys whose name con
 SECRET, PASSWORD (any case) in config, env and JSON; `NAME=value` / `name: value` with such names in
 any text; common token shapes (hf_, sk-, ghp_/github_pat_, AKIA/ASIA, Bearer, xox?-, JWTs, private
 key blocks, passwords in URLs); and every secret value learned from a key name is then removed from
-all other text too (a token pasted into a log line without its name).
+all other text too (a token pasted into a log line without its name), as is the job's own secret
+(<run>/secret, which itself is never collected).
 """
 
 from __future__ import annotations
@@ -224,6 +225,8 @@ def collect(target: str | Path, *, run_root: Path | None = None, out_dir: Path |
     top = f"diag-{run.path.name.replace(' ', '_')}-{stamp}"
     files: dict[str, str] = {}
     red = Redactor()
+    if run.secret.is_file():  # the job's own secret (rlslurm/secret.py): scrubbed wherever it shows up
+        red.secrets.update(line for line in [run.secret.read_text(errors="replace").strip()] if line)
 
     config = yaml.safe_load(run.config.read_text()) if run.config.is_file() else None
     fps = read_fingerprints(run.env) if run.env.is_dir() else {}

@@ -85,15 +85,20 @@ def serve(run: RunDir, role: str, rank: int, entries: int) -> Served | None:
     os.chmod(path.parent, 0o700)
     path.unlink(missing_ok=True)  # a previous start's socket (same run, role and rank)
     served = Served(_WorkerServer(str(path), -1), path)
-    # Its thread binds and listens a moment later; a shutdown() before that (a guard closed at once, or the
-    # server's destructor at exit) waits forever in torch 2.13. So return only once it accepts.
-    deadline = time.monotonic() + 5.0
+    # The socket listens before the server's thread enters its accept loop (cpp-httplib marks itself running
+    # only there), and a shutdown() in that window (a guard closed at once, or the destructor at exit) is a
+    # no-op followed by a join that waits forever in torch 2.13. A connect alone can succeed in the window
+    # (the backlog accepts it), so return only once the loop has answered a request.
+    deadline = time.monotonic() + 30.0
     while time.monotonic() < deadline:
         with socket.socket(socket.AF_UNIX) as probe, contextlib.suppress(OSError):
+            probe.settimeout(1.0)
             probe.connect(str(path))
-            return served
+            probe.sendall(b"GET /handler/ping HTTP/1.0\r\n\r\n")
+            if probe.recv(1):
+                return served
         time.sleep(0.01)
-    log.warning("the flight-recorder server on %s does not accept after 5 s", path)
+    log.warning("the flight-recorder server on %s does not answer after 30 s", path)
     return served
 
 

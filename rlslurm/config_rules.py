@@ -87,7 +87,7 @@ def _engines(job: "JobConfig") -> Iterator[Rule]:
     r, nodes = job.rollout, job.placement.rollout_nodes
     if job.job.kind == "rl" and r.engine == "hf" and r.tp > 1:
         yield _ignored("rollout.tp", r.tp, "rollout.engine = 'hf'", "the transformers engine runs on one device",
-                       "set rollout.tp: 1, or rollout.engine: vllm")
+                       "set rollout.tp: 1")
     if job.job.kind == "sft" or stated_placement(job.placement) != "separate" or not nodes:
         return
     per_node = -(-r.engines // nodes)

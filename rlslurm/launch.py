@@ -8,7 +8,8 @@ alone, whose trainer rank 0 spawns the engines on its own node. With no SLURM (o
 local`) the same entry function runs through submitit's local executor on this machine.
 
 Every start of the job finds its way from the run directory alone (RLSLURM_RUN_DIR): the resolved
-config, the plan, and the checkpoints it resumes from. `dry_run` (`rlslurm submit --dry-run`) validates and
+config, the plan, the job's secret (<run>/secret, mode 0600, made here once) and the checkpoints it
+resumes from. `dry_run` (`rlslurm submit --dry-run`) validates and
 pre-flights the same way, then shows the run directory, the layout and the sbatch script or local launch it
 would use, and creates and submits nothing.
 """
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import yaml
 
-from rlslurm import events
+from rlslurm import events, secret
 from rlslurm.config import JobConfig
 from rlslurm.configfile import to_dict
 from rlslurm.errors import JobFailedError, PreflightError, RlslurmError, RunDirError, SlurmCommandError
@@ -112,6 +113,7 @@ def prepare(job: JobConfig, *, config_text: str, force: bool = False, run_root: 
 
         local_gpu_ids(JobLayout.decide(job, plan, "local"))
     run = new_run_dir(job, run_root)
+    secret.ensure(run.secret)  # the job's secret: every server of the job requires it; requeues keep it
     run.config.write_text(yaml.safe_dump(to_dict(job), sort_keys=False))
     (run.path / "config.submitted.yaml").write_text(config_text)
     run.plan.write_text(render_json(plan))
@@ -170,6 +172,7 @@ def resume(target: str, *, overrides: tuple[str, ...] = (), force: bool = False,
         events.emit(run, events.CONFIG_CHANGED, overrides=list(overrides))
     if problems:
         events.emit(run, events.PREFLIGHT_FORCED, problems=problems)
+    secret.ensure(run.secret)  # the run's own secret again (made here for a run submitted before there was one)
     # A new series of starts: the no-progress count (lifecycle.on_start) does not reach back past it.
     run.record_start(resubmitted=True, after_job_id=previous, step=None)
     return _launch(job, run, plan, resolve_backend(job, backend or last.get("backend")), resume_of=previous)

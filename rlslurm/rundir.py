@@ -16,6 +16,7 @@
     <run>/export/            hf/: the trained model in Hugging Face layout (SFT and RL); init/: RL's start
     <run>/submissions.jsonl  one line per `rlslurm submit` / `resume`: job id, backend, layout
     <run>/placement.jsonl    one line per task and start: role, rank, node, job ids
+    <run>/secret             the job's secret (mode 0600): every server of the job requires it (rlslurm/secret.py)
 
 Processes find it from the RLSLURM_RUN_DIR environment variable that submit sets. Commands that take
 `<jobid|rundir>` (status, drain, resume, diag, envdiff, report) find it with `find_run`.
@@ -70,6 +71,7 @@ class RunDir:
     checkpoints = property(lambda self: self.path / "checkpoints")
     logs = property(lambda self: self.path / "logs")
     control = property(lambda self: self.path / "control")
+    secret = property(lambda self: self.path / "secret")
 
     def append_json(self, path: Path, record: dict) -> None:
         """Append one JSON line with a single write(2) on an O_APPEND fd: concurrent writers never interleave."""

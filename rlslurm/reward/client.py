@@ -28,6 +28,7 @@ from typing import AsyncIterator, Awaitable, Callable
 
 import httpx
 
+from rlslurm import secret
 from rlslurm.errors import RewardServiceError
 from rlslurm.events import REWARD_DEGRADED, emit
 from rlslurm.reward.config import RewardConfig
@@ -61,15 +62,18 @@ class StepSummary:
 
 
 class RewardClient:
-    """Async client of one reward service URL; one `step()` per RL step."""
+    """Async client of one reward service URL; one `step()` per RL step. It sends the job's secret:
+    `token`, else the one in the run directory (<run>/secret)."""
 
     def __init__(self, cfg: RewardConfig, url: str, run: RunDir | None = None,
-                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep):
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep, token: str | None = None):
         self.cfg = cfg
         self.url = url.rstrip("/")
         self.run = run
         self.sleep = sleep
-        self.http = ShardedHttp(cfg.concurrency, cfg.timeout_s)
+        if token is None and run is not None:
+            token = secret.read(run.secret)
+        self.http = ShardedHttp(cfg.concurrency, cfg.timeout_s, headers=secret.bearer(token))
         self._slots = asyncio.Semaphore(cfg.concurrency)
 
     async def __aenter__(self) -> "RewardClient":
@@ -123,6 +127,9 @@ class RewardClient:
 
     async def _post(self, items: list[Item]) -> list[dict]:
         reply = await self.http.post(self.url + "/score", json={"items": [item.__dict__ for item in items]})
+        if reply.status_code in (401, 403):  # a retry would be refused alike: fail the step, loudly
+            raise RewardServiceError(f"reward service {self.url} refused this client's secret: HTTP "
+                                     f"{reply.status_code} {reply.text[:300]}")
         reply.raise_for_status()
         return reply.json()["results"]
 

@@ -117,8 +117,15 @@ class RewardConfig:
     """Rule scorer: a response that does not match this (re.search) scores 0 with reason `format`; at most
     1000 characters."""
     port: int = 0
-    """Port of the local service on 127.0.0.1; 0 = a free one chosen at start and kept across restarts.
-    Range [0, 65535]."""
+    """Port of the local service; 0 = a free one chosen at start and kept across restarts. Range [0, 65535]."""
+    open_data_plane: bool = False
+    """Score (POST /score) for callers without the job's secret too; false: only the job's own. /health is
+    always open, /metrics never."""
+    max_items_per_request: int = 1024
+    """Items one POST /score may carry; more is a 400 (reward.batch_size must fit). Range [1, 1000000]."""
+    max_item_bytes: int = 65536
+    """Bytes of one item's text (response + prompt + reference + tests + id); a larger item comes back
+    unscored, and the scorer never sees it. Range [1024, 1e9]."""
     health_interval_s: float = 1.0
     """Seconds between the supervisor's health checks. Range [0.01, 3600]."""
     health_timeout_s: float = 2.0
@@ -141,6 +148,11 @@ class RewardConfig:
         check_range(self.retries, "retries", 0, 100)
         check_range(self.retry_backoff_s, "retry_backoff_s", 0, 3600, note="seconds")
         check_range(self.neutral_score, "neutral_score", 0, 1)
+        check_range(self.max_items_per_request, "max_items_per_request", 1, 1_000_000)
+        check(self.batch_size <= self.max_items_per_request, "batch_size",
+              f"= {self.batch_size} is over reward.max_items_per_request = {self.max_items_per_request}: "
+              "the service would refuse every request")
+        check_range(self.max_item_bytes, "max_item_bytes", 1024, 10**9, note="bytes")
         check(0 <= self.degraded_alert_ratio <= 1, "degraded_alert_ratio", "must be in [0, 1]")
         if self.endpoint is not None:
             check_text(self.endpoint, "endpoint", 2048)

@@ -4,9 +4,12 @@
     scored = await scorer.score(Item(id="0", prompt="12+7=", response="19", reference="19"))
 
 rule   the final answer (\\boxed{..}, "answer is ..", "#### ..", else the last number) against the
-       reference, numbers compared as exact fractions after normalisation ("1,000" == "1000.0").
+       reference, numbers compared as exact fractions after normalisation ("1,000" == "1000.0"). A number
+       of more than MAX_NUMBER_DIGITS digits or an exponent past MAX_EXPONENT is compared as text: exact
+       arithmetic on "1e999999999" would hold the CPU for minutes. Scored off the event loop.
 code   the response's code (its first ```python block, else all of it) followed by the item's unit
-       tests, run once in the sandbox: 1.0 when the program exits 0.
+       tests, run once in the sandbox: 1.0 when the tests ran to their end (exit 0 and, after them, a token
+       the program never saw: an early exit(0) is no pass).
 model  POST {endpoint} {"prompt", "response"} -> {"score": x} (a reward-model server).
 judge  an OpenAI-compatible chat endpoint with the rubric as system prompt; its reply must carry
        `SCORE: x`. A reply without one is a parse failure: counted, and the item comes back unscored.
@@ -16,8 +19,10 @@ A scorer raises ScorerUnavailable when its upstream (RM, judge) fails: the item 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
+import secrets
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Protocol
@@ -73,13 +78,25 @@ def extract_answer(response: str) -> str | None:
     return numbers[-1] if numbers else None
 
 
+MAX_NUMBER_DIGITS = 400
+"""Digits a number may have to be compared as a number (a fraction counts both parts)."""
+MAX_EXPONENT = 400
+"""Largest |exponent| of a number compared as a number: 10**400 is instant, 10**(10**9) takes minutes."""
+_EXPONENT = re.compile(r"[eE]([-+]?\d+)")
+
+
 def normalise_number(text: str) -> Fraction | None:
-    """`text` as an exact number ("1,000", " -3.50 ", "$12", "1/2", "50%", "1e3"), or None."""
+    """`text` as an exact number ("1,000", " -3.50 ", "$12", "1/2", "50%", "1e3"), or None; None too for
+    one too large to handle in bounded time (MAX_NUMBER_DIGITS, MAX_EXPONENT)."""
     s = "".join(text.split()).rstrip(".").removeprefix("$").replace("\\$", "")
     percent = s.endswith("%")
     s = s.removesuffix("%")
     if re.fullmatch(r"[-+]?\d{1,3}(,\d{3})+(\.\d+)?", s):
         s = s.replace(",", "")
+    exponent = _EXPONENT.search(s)
+    # Digits first: they bound the exponent's own digits too, so int() of it is cheap.
+    if sum(c.isdigit() for c in s) > MAX_NUMBER_DIGITS or (exponent and abs(int(exponent.group(1))) > MAX_EXPONENT):
+        return None
     try:
         value = Fraction(s)
     except (ValueError, ZeroDivisionError):
@@ -99,7 +116,13 @@ def rule_score(response: str, reference: str, format_regex: str | None = None) -
         same = got == want
     else:
         same = "".join(answer.split()).lower() == "".join(reference.split()).lower()
-    return Scored(1.0 if same else 0.0, f"answer {answer!r} {'==' if same else '!='} reference {reference!r}")
+    return Scored(1.0 if same else 0.0, f"answer {_short(answer)} {'==' if same else '!='} reference "
+                                        f"{_short(reference)}")
+
+
+def _short(text: str, chars: int = 80) -> str:
+    """repr of `text`, cut to about `chars` characters: a reason must not echo a whole response."""
+    return repr(text) if len(text) <= chars else repr(text[:chars]) + f"... ({len(text)} chars)"
 
 
 @dataclass
@@ -107,7 +130,9 @@ class RuleScorer:
     format_regex: str | None = None
 
     async def score(self, item: Item) -> Scored:
-        return rule_score(item.response, item.reference, self.format_regex)
+        # Regexes and number parsing are CPU work: in a thread, so the service's event loop (and /health)
+        # keep answering; their inputs are bounded (reward.max_item_bytes, MAX_NUMBER_DIGITS, MAX_EXPONENT).
+        return await asyncio.to_thread(rule_score, item.response, item.reference, self.format_regex)
 
 
 # ---------------------------------------------------------------- code
@@ -128,11 +153,36 @@ class CodeScorer:
     """Executions by sandbox status, for /metrics."""
 
     async def score(self, item: Item) -> Scored:
-        result = await self.sandbox.execute(extract_code(item.response) + "\n\n" + item.tests + "\n")
+        # Exit 0 alone is no proof: a program that calls os._exit(0) (or sys.exit(0)) before the tests run
+        # would pass. The tests pass only when the runner, after the tests, prints a token that never
+        # appears in the program's text (it comes on stdin and lives in the runner's frame).
+        token = secrets.token_hex(16)
+        source = extract_code(item.response) + "\n\n" + item.tests + "\n"
+        result = await self.sandbox.execute(_CODE_RUNNER, stdin=f"{token}\n{source}".encode())
         self.outcomes[result.status] = self.outcomes.get(result.status, 0) + 1
-        if result.passed:
+        if result.passed and result.stdout.rstrip().endswith(token.encode()):
             return Scored(1.0, "tests passed")
+        if result.passed:
+            return Scored(0.0, "exited before the tests finished (exit 0 without the runner's token)")
         return Scored(0.0, f"{result.status}: {result.reason}")
+
+
+_CODE_RUNNER = """\
+import sys
+
+
+def _run():
+    token = sys.stdin.readline().strip()
+    source = sys.stdin.read()
+    exec(compile(source, "solution.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+    sys.stdout.flush()
+    sys.stdout.write("\\n" + token + "\\n")
+
+
+_run()
+"""
+"""The program the sandbox runs for the code scorer: the response and its tests come on stdin after a
+one-line token, and the token is printed only once they returned."""
 
 
 # ---------------------------------------------------------------- model and judge
@@ -146,11 +196,11 @@ class ShardedHttp:
     scan short while the shards together still hold `connections` requests in flight.
     """
 
-    def __init__(self, connections: int, timeout_s: float, per_shard: int = 8):
+    def __init__(self, connections: int, timeout_s: float, per_shard: int = 8, headers: dict[str, str] | None = None):
         shards = max(1, -(-connections // per_shard))
         size = -(-connections // shards)
         limits = httpx.Limits(max_connections=size, max_keepalive_connections=size)
-        self.shards = [httpx.AsyncClient(timeout=timeout_s, limits=limits) for _ in range(shards)]
+        self.shards = [httpx.AsyncClient(timeout=timeout_s, limits=limits, headers=headers) for _ in range(shards)]
         self._next = 0
 
     async def post(self, url: str, **kw) -> httpx.Response:

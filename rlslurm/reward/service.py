@@ -1,12 +1,18 @@
 """The reward service: a resident FastAPI app that scores batches concurrently.
 
-    python -m rlslurm.reward.service --port 8321 --config job.yaml        # the job's `reward:` section
-    python -m rlslurm.reward.service --port 8321 --scorer judge --endpoint http://127.0.0.1:9000/v1
+    python -m rlslurm.reward.service --port 8321 --secret-file RUN/secret --config job.yaml   # its `reward:`
+    python -m rlslurm.reward.service --port 8321 --secret-file F --scorer judge --endpoint http://127.0.0.1:9000/v1
 
-    GET  /health    {"status": "ok", "pid", "scorer", "inflight", "sandbox_mode"}
+    GET  /health    {"status": "ok", "pid", "scorer", "inflight", "sandbox_mode"}             (open to all)
     POST /score     {"items": [{"id", "response", "prompt", "reference", "tests"}, ...]}
                  -> {"results": [{"id", "score", "status", "reason"}, ...]}   status: scored | unscored | error
     GET  /metrics   Prometheus text format
+
+Trust (rlslurm/wire.py): /score and /metrics need `Authorization: Bearer <the job's secret>` (401
+without); `reward.open_data_plane` opens /score. A body is strict and bounded: at most
+`reward.max_items_per_request` items (400 past it), an item over `reward.max_item_bytes` comes back
+unscored without reaching its scorer; each item is scored within `reward.timeout_s` (then `error`);
+a `reason` is cut to MAX_REASON_CHARS.
 
 Items of one batch, and of all batches in flight, are scored at once up to `reward.concurrency`
 (an asyncio semaphore): a 2 s judge scores 512 responses at concurrency 64 in ~16 s, not 1024 s.
@@ -32,9 +38,10 @@ from pathlib import Path
 import click
 import uvicorn
 from fastapi import FastAPI
-from fastapi.responses import PlainTextResponse
-from pydantic import BaseModel
+from fastapi.responses import JSONResponse, PlainTextResponse
+from pydantic import BaseModel, ConfigDict, Field
 
+from rlslurm import secret, wire
 from rlslurm.configfile import load_mapping, read_yaml
 from rlslurm.diag.config import DiagConfig
 from rlslurm.diag.guard import PhaseGuard
@@ -44,16 +51,26 @@ from rlslurm.reward.scorers import CodeScorer, Item, JudgeScorer, ScorerUnavaila
 log = logging.getLogger(__name__)
 
 
+MAX_REASON_CHARS = 300
+"""A result's `reason` is cut to this: it must not echo a response of any size back."""
+_TEXT = 1 << 24  # structural cap per field; reward.max_item_bytes is the real limit
+
+
 class ItemIn(BaseModel):
-    id: str
-    response: str
-    prompt: str = ""
-    reference: str = ""
-    tests: str = ""
+    model_config = ConfigDict(extra="forbid")
+    id: str = Field(max_length=256)
+    response: str = Field(max_length=_TEXT)
+    prompt: str = Field("", max_length=_TEXT)
+    reference: str = Field("", max_length=_TEXT)
+    tests: str = Field("", max_length=_TEXT)
+
+    def nbytes(self) -> int:
+        return sum(len(v.encode()) for v in (self.id, self.response, self.prompt, self.reference, self.tests))
 
 
 class Batch(BaseModel):
-    items: list[ItemIn]
+    model_config = ConfigDict(extra="forbid")
+    items: list[ItemIn] = Field(max_length=1 << 20)
 
 
 class Counters:
@@ -132,8 +149,9 @@ class Beats:
                 self.guard.beat()
 
 
-def make_app(cfg: RewardConfig, guard: PhaseGuard | None = None) -> FastAPI:
-    """The service for `cfg`; the scorer and its HTTP client live as long as the app."""
+def make_app(cfg: RewardConfig, token: str, guard: PhaseGuard | None = None) -> FastAPI:
+    """The service for `cfg` behind the job's secret `token`; the scorer and its HTTP client live as long
+    as the app."""
     state: dict = {}
     counters = Counters()
     beats = Beats(guard)
@@ -157,21 +175,36 @@ def make_app(cfg: RewardConfig, guard: PhaseGuard | None = None) -> FastAPI:
             if sandbox is not None:
                 sandbox.close()
 
-    app = FastAPI(title="rlslurm reward service", lifespan=lifespan)
+    app = FastAPI(title="rlslurm reward service", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    # JSON per item: ~100 bytes of keys and quotes beside its text.
+    body_bytes = cfg.max_items_per_request * (cfg.max_item_bytes + 1024) + 4096
+    wire.protect(app, token, data_paths=("/score",), open_data=cfg.open_data_plane,
+                 max_body_bytes=lambda path: body_bytes if path == "/score" else 4096)
 
     async def score_one(item: ItemIn) -> dict:
+        if item.nbytes() > cfg.max_item_bytes:
+            counters.items["unscored"] += 1
+            return {"id": item.id, "score": None, "status": "unscored",
+                    "reason": f"item is {item.nbytes()} bytes, over reward.max_item_bytes = {cfg.max_item_bytes}"}
         async with state["slots"]:
             counters.inflight += 1
             start = time.monotonic()
             try:
-                scored = await state["scorer"].score(Item(**item.model_dump()))
+                # Bounded in time whatever the scorer: a judge that hangs, a rule on a pathological answer.
+                scored = await asyncio.wait_for(state["scorer"].score(Item(**item.model_dump())), cfg.timeout_s)
                 status = "scored" if scored.score is not None else "unscored"
-                out = {"id": item.id, "score": scored.score, "status": status, "reason": scored.reason}
+                out = {"id": item.id, "score": scored.score, "status": status,
+                       "reason": scored.reason[:MAX_REASON_CHARS]}
+            except asyncio.TimeoutError:
+                out = {"id": item.id, "score": None, "status": "error",
+                       "reason": f"scoring ran past reward.timeout_s = {cfg.timeout_s:g} s"}
             except ScorerUnavailable as e:
-                out = {"id": item.id, "score": None, "status": "error", "reason": str(e)}
+                out = {"id": item.id, "score": None, "status": "error", "reason": str(e)[:MAX_REASON_CHARS]}
             except Exception as e:  # one bad item must not take the batch (or the service) down
                 log.exception("scoring item %s failed", item.id)
-                out = {"id": item.id, "score": None, "status": "error", "reason": f"scorer crashed: {e!r}"}
+                out = {"id": item.id, "score": None, "status": "error",
+                       "reason": f"scorer crashed: {e!r}"[:MAX_REASON_CHARS]}
             finally:
                 counters.inflight -= 1
                 counters.seconds_sum += time.monotonic() - start
@@ -186,7 +219,11 @@ def make_app(cfg: RewardConfig, guard: PhaseGuard | None = None) -> FastAPI:
                 "sandbox_mode": sandbox.mode if sandbox is not None else None}
 
     @app.post("/score")
-    async def score(batch: Batch) -> dict:
+    async def score(batch: Batch):
+        if len(batch.items) > cfg.max_items_per_request:
+            return JSONResponse(wire.error_body(
+                f"{len(batch.items)} items are over reward.max_items_per_request = {cfg.max_items_per_request}",
+                "invalid_request_error"), status_code=400)
         counters.requests += 1
         beats.enter()
         try:
@@ -217,17 +254,20 @@ def load_diag_config(path: str | Path | None) -> DiagConfig:
 
 
 @click.command()
-@click.option("--port", type=int, required=True, help="Port on 127.0.0.1.")
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--port", type=int, required=True, help="Port to listen on.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind: the one the job's peers use.")
+@click.option("--secret-file", type=click.Path(dir_okay=False),
+              help=f"The job's secret (<run>/secret); default: the file ${secret.ENV_VAR} names.")
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False), help="Job YAML; its reward: section.")
 @click.option("--scorer", type=click.Choice(["rule", "code", "model", "judge"]), help="Overrides reward.scorer.")
 @click.option("--endpoint", help="Overrides reward.endpoint.")
 @click.option("--concurrency", type=int, help="Overrides reward.concurrency.")
 @click.option("--run-dir", type=click.Path(file_okay=False), help="Run directory: heartbeats as role reward.")
-def main(port: int, host: str, config_path: str | None, scorer: str | None, endpoint: str | None,
-         concurrency: int | None, run_dir: str | None) -> None:
+def main(port: int, host: str, secret_file: str | None, config_path: str | None, scorer: str | None,
+         endpoint: str | None, concurrency: int | None, run_dir: str | None) -> None:
     """Serve /health, /score and /metrics until killed."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s reward-service %(levelname)s %(message)s")
+    token = secret.from_env_or(secret_file)
     cfg = load_reward_config(config_path, scorer=scorer, endpoint=endpoint, concurrency=concurrency)
     guard = None
     if run_dir is not None:
@@ -240,7 +280,7 @@ def main(port: int, host: str, config_path: str | None, scorer: str | None, endp
     signal.signal(signal.SIGTERM, lambda *_: None)
     try:
         # The backlog must take a whole step's burst of connections from the client at once.
-        uvicorn.run(make_app(cfg, guard), host=host, port=port, log_level="warning",
+        uvicorn.run(make_app(cfg, token, guard), host=host, port=port, log_level="warning",
                     backlog=max(2048, cfg.concurrency * 4))
     finally:
         if guard is not None:

@@ -13,10 +13,12 @@ fails `unhealthy_after` health checks in a row (hung, stopped) is killed and res
 it gives up (event `reward_service_down`: restarts, the budget, the service's log) and `failed` is set.
 `stop()` asks the service to exit (SIGTERM: its heartbeat ends `exited`), then kills its process group.
 
-With a run directory the service wears the phase guard (heartbeats/reward-0.json, see service.py);
-`bind` = 0.0.0.0 serves other nodes (the reward het component), while `url` stays loopback for the
-supervisor's own health checks. `env` is added to the service's environment at every (re)start: the
-job's network environment (rlslurm/network.py) and no GPU.
+With a run directory the service wears the phase guard (heartbeats/reward-0.json, see service.py) and
+requires the run's secret (<run>/secret; without a run, a secret file of its own beside its log, mode
+0600; `token` is what clients send). `bind` is the address the service listens on and `url` points at
+it: the node's address for the reward het component (its peers are on other nodes), loopback beside
+the controller. `env` is added to the service's environment at every (re)start: the job's network
+environment (rlslurm/network.py) and no GPU.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from typing import Callable
 import httpx
 import yaml
 
-from rlslurm import events
+from rlslurm import events, secret
 from rlslurm.configfile import to_dict
 from rlslurm.diag.config import DiagConfig
 from rlslurm.errors import RewardServiceError
@@ -59,14 +61,15 @@ class RewardSupervisor:
 
     def __init__(self, cfg: RewardConfig, run: RunDir | None = None, log_dir: str | Path | None = None,
                  clock: Callable[[], float] = time.monotonic, bind: str = "127.0.0.1",
-                 diag: DiagConfig | None = None, env: Mapping[str, str] | None = None):
+                 diag: DiagConfig | None = None, secret_file: str | Path | None = None,
+                 env: Mapping[str, str] | None = None):
         self.cfg = cfg
         self.env = dict(env or {})
         self.run = run
         self.clock = clock
         self.bind = bind
         self.port = cfg.port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{'127.0.0.1' if bind in ('0.0.0.0', '') else bind}:{self.port}"
         self.restarts = 0  # restarts that came up healthy
         self._attempts = 0  # restarts tried, the ones that failed to start included
         self.failed = threading.Event()
@@ -75,6 +78,9 @@ class RewardSupervisor:
         self._thread: threading.Thread | None = None
         self._dir = Path(log_dir) if log_dir else (run.logs if run else Path(tempfile.mkdtemp(prefix="reward-")))
         self._dir.mkdir(parents=True, exist_ok=True)
+        self.secret_file = secret.ensure(secret_file or (run.secret if run is not None
+                                                         else self._dir / "reward-service.secret"))
+        self.token = secret.read(self.secret_file)
         self.log_path = self._dir / "reward-service.log"  # stdout + stderr of every start, appended
         self._config = self._dir / "reward-service.yaml"
         self._config.write_text(yaml.safe_dump({"reward": to_dict(cfg), "diag": to_dict(diag or DiagConfig())}))
@@ -122,7 +128,7 @@ class RewardSupervisor:
         """Start the service and wait for /health: True once healthy, False when stop() came first."""
         out = open(self.log_path, "ab")
         argv = [sys.executable, "-m", "rlslurm.reward.service", "--port", str(self.port), "--host", self.bind,
-                "--config", str(self._config)]
+                "--secret-file", str(self.secret_file), "--config", str(self._config)]
         if self.run is not None:
             argv += ["--run-dir", str(self.run.path)]
         self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,

@@ -6,7 +6,8 @@
 
 On SLURM with separate placement the rollout het component runs the engines (rlslurm/rl/roles.py
 `run_engine`) and each announces its URL in <run>/endpoints/engine-<i>.json; colocated (a plain SLURM
-job) or off SLURM the controller spawns them beside rank 0.
+job) or off SLURM the controller spawns them beside rank 0. Either way every engine requires the job's
+secret (<run>/secret, handed to it as a path) and every client here sends it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from rlslurm import events, lifecycle
+from rlslurm import events, lifecycle, secret
 from rlslurm.config import JobConfig
 from rlslurm.devices import CVD, spawned_engine_env, visible_gpus
 from rlslurm.dist import free_port
@@ -41,6 +42,7 @@ class Engines:
 
         self.run = run
         self.processes = []
+        secret_file = secret.ensure(run.secret)  # made at submit; a run directory made by hand gets one here
         self.identity: dict[str, dict] = {}  # url -> node, pid, log: what an `engine_failed` event names
         if layout.engines_from_component:
             urls = wait_for_endpoints(run, layout.engines, job.rollout.request_timeout_s,
@@ -48,7 +50,8 @@ class Engines:
             announced = {r.get("url"): r for r in map(_read_json, (run.path / "endpoints").glob("engine-*.json"))}
             self.identity = {url: {"node": announced.get(url, {}).get("node"), "pid": announced.get(url, {}).get("pid"),
                                    "log": str(run.logs / "rollout-*.log")} for url in urls}
-            self.clients = [EngineClient(url, job.rollout.request_timeout_s) for url in urls]
+            token = secret.read(secret_file)
+            self.clients = [EngineClient(url, job.rollout.request_timeout_s, token=token) for url in urls]
             try:
                 for client in self.clients:  # an engine announces itself before its server listens
                     client.wait_ready(job.rollout.request_timeout_s)
@@ -63,7 +66,8 @@ class Engines:
                 # Its own GPUs (the layout's positions among rank 0's) and the job's network environment.
                 gpus = spawned_engine_env(layout, i)
                 try:
-                    proc = spawn_engine(model_dir, port=port, log_path=log_path, extra_args=engine_args(job),
+                    proc = spawn_engine(model_dir, port=port, log_path=log_path, secret_file=secret_file,
+                                        extra_args=engine_args(job) + engine_limits(job),
                                         env={"RLSLURM_RUN_DIR": str(run.path), "RLSLURM_ROLE": "rollout",
                                              "RLSLURM_RANK": str(i),
                                              # the vLLM engine's share of a GPU (rollout/vllm_engine.py)
@@ -151,6 +155,13 @@ def engine_args(job: JobConfig) -> list[str]:
     where it has one (vLLM places itself)."""
     gpu = job.rollout.engine == "hf" and torch.cuda.is_available()
     return ["--threads", "1", *(["--device", "cuda"] if gpu else [])]
+
+
+def engine_limits(job: JobConfig) -> list[str]:
+    """Server flags of the limits of one request (rollout.* keys; by default the most the job itself
+    asks: k samples of a whole step's prompts, or the held-out set at once), its deadline and stall timeout."""
+    return job.rollout.server_args(samples_per_prompt=job.rl.samples_per_prompt,
+                                   prompts_per_request=job.rl.prompts_per_step, eval_prompts=job.task.eval_size)
 
 
 def wait_for_endpoints(run: RunDir, count: int, timeout_s: float, *, job_id: str | None, restart_count: int,

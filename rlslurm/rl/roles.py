@@ -26,7 +26,7 @@ from rlslurm.dist import free_port
 from rlslurm.errors import RlslurmError
 from rlslurm.node import node_name
 from rlslurm.rl.controller import reward_config, reward_env
-from rlslurm.rl.engines import engine_args
+from rlslurm.rl.engines import engine_args, engine_limits
 from rlslurm.rundir import RunDir
 
 log = logging.getLogger(__name__)
@@ -36,9 +36,10 @@ def run_engine(job: JobConfig, run_dir: str | Path) -> int:
     """One rollout engine server of the rollout het component; announces its URL in <run>/endpoints/.
 
     Lifecycle: it serves until the trainer's rank 0 stops the component (SIGTERM to its tasks, see
-    hetjob.ComponentStep.stop) or SLURM ends the job (requeue, cancel: SIGTERM too); either way uvicorn
-    finishes the requests in flight and the engine exits 0. A drain reaches it as the controller's
-    /admin/drain (Engines.drain), not as a signal of its own.
+    hetjob.ComponentStep.stop) or SLURM ends the job (requeue, cancel: SIGTERM too); either way the work
+    in flight is dropped (its callers get 503) and the engine exits 0 within seconds. A drain reaches it as
+    the controller's /admin/drain (Engines.drain), not as a signal of its own. It listens on the node's
+    address (the one it announces), never on every interface, and requires the job's secret.
     """
     from rlslurm.dist import node_address
     from rlslurm.rollout import server
@@ -47,9 +48,9 @@ def run_engine(job: JobConfig, run_dir: str | Path) -> int:
     # kill the engine while the trainer still finishes its step. The trainer ranks agree on the drain
     # step and the controller drains the engines then.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    # uvicorn shuts down gracefully on SIGTERM (in-flight requests finish), then raises the signal again
-    # under the handler found at its start: this one makes that an exit 0, so srun and SLURM see a
-    # clean end of the component (a SIGTERM while it waits for the model ends it cleanly too).
+    # The server stops on SIGTERM (rollout/server.py), then raises the signal again under the handler
+    # found at its start: this one makes that an exit 0, so srun and SLURM see a clean end of the
+    # component (a SIGTERM while it waits for the model ends it cleanly too).
     signal.signal(signal.SIGTERM, _exit_cleanly)
     run_ = RunDir(Path(run_dir))
     rank = int(os.environ.get("SLURM_PROCID", "0"))
@@ -69,9 +70,9 @@ def run_engine(job: JobConfig, run_dir: str | Path) -> int:
     tmp.write_text(json.dumps({"url": f"http://{host}:{port}", "node": node, "pid": os.getpid(),
                                "job_id": lifecycle.leader_job_id(), "restart_count": lifecycle.restart_count()}))
     os.replace(tmp, folder / f"engine-{rank}.json")
-    bind = "127.0.0.1" if host.startswith("127.") else "0.0.0.0"
-    argv = ["--model", str(model_dir), "--host", bind, "--port", str(port), *engine_args(job),
-            "--engine", job.rollout.engine]
+    # The address announced is the one bound: peers reach it, nothing else on the node's other interfaces.
+    argv = ["--model", str(model_dir), "--host", host, "--port", str(port), "--secret-file", str(run_.secret),
+            *engine_args(job), *engine_limits(job), "--engine", job.rollout.engine]
     if job.rollout.engine != "hf" or job.rollout.python:
         # Another engine lives in its own venv (vLLM: .venv-vllm): become its server process, so this
         # SLURM task is the server and SLURM's signals reach it directly (USR1 stays ignored across exec).
@@ -97,7 +98,8 @@ def run_reward(job: JobConfig, run_dir: str | Path) -> int:
 
     Lifecycle: it serves until the trainer's rank 0 stops the component (SIGTERM through srun), or raises
     RewardServiceError once its supervisor gave up (past reward.max_restarts); the supervisor's events
-    reach the controller through the run directory, so its steps count the restarts.
+    reach the controller through the run directory, so its steps count the restarts. The service listens on
+    the node's address (the one announced) and requires the job's secret.
     """
     from rlslurm.dist import node_address
     from rlslurm.errors import RewardServiceError
@@ -112,10 +114,9 @@ def run_reward(job: JobConfig, run_dir: str | Path) -> int:
     run_ = RunDir(Path(run_dir))
     node = node_name()
     host = node_address(node)
-    bind = "127.0.0.1" if host.startswith("127.") else "0.0.0.0"
-    with RewardSupervisor(reward_config(job), run=run_, bind=bind, diag=job.diag, env=reward_env(job)) as sup:
-        announce(run_, f"http://{host}:{sup.port}", node)
-        log.info("reward service on %s:%d (bound to %s), supervised", host, sup.port, bind)
+    with RewardSupervisor(reward_config(job), run=run_, bind=host, diag=job.diag, env=reward_env(job)) as sup:
+        announce(run_, sup.url, node)
+        log.info("reward service on %s, supervised", sup.url)
         while not stop.wait(1.0):
             if sup.failed.is_set():
                 raise RewardServiceError(f"the reward service on {node} failed past reward.max_restarts = "

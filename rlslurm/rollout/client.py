@@ -1,12 +1,13 @@
 """The controller's client of rollout engine servers, and a launcher for one server process.
 
-    engine = spawn_engine(model_dir, log_path=run.logs / "engine-0.log")   # or EngineClient(url)
+    engine = spawn_engine(model_dir, port=p, log_path=run.logs / "engine-0.log", secret_file=run.secret)
+    # or EngineClient(url, token=secret.read(run.secret))
     out = engine.client.completions(["2 + 3 ="], n=4, max_tokens=8, temperature=1.0)
     out["policy_version"], out["choices"][0]["token_ids"]
 
-Every call has a timeout; an engine that does not answer raises `EngineRequestError` naming the
-engine's URL, the call and what came back. Admin calls (drain, update, verify, resume, ...) are
-used by the weight-sync protocol in rlslurm/sync/protocol.py.
+Every call carries the job's secret (Authorization: Bearer) and has a timeout; an engine that does not
+answer raises `EngineRequestError` naming the engine's URL, the call and what came back. Admin calls
+(drain, update, verify, resume, ...) are used by the weight-sync protocol in rlslurm/sync/protocol.py.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Callable
 import httpx
 import psutil
 
+from rlslurm import secret
 from rlslurm.errors import RlslurmError
 
 log = logging.getLogger(__name__)
@@ -44,12 +46,13 @@ class EngineRequestError(RlslurmError):
 
 
 class EngineClient:
-    """One engine server at `url` (http://host:port)."""
+    """One engine server at `url` (http://host:port); `token` is the job's secret (rlslurm/secret.py)."""
 
-    def __init__(self, url: str, timeout_s: float = 120.0):
+    def __init__(self, url: str, timeout_s: float = 120.0, *, token: str | None = None):
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
-        self._http = httpx.Client(base_url=self.url, timeout=timeout_s)
+        self.token = token  # also an OpenAI client's api_key
+        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, headers=secret.bearer(token))
 
     def __repr__(self) -> str:
         return f"EngineClient({self.url!r})"
@@ -179,21 +182,25 @@ class EngineProcess:
 
 
 def spawn_engine(model_dir: str | Path, *, port: int, host: str = "127.0.0.1", log_path: str | Path,
-                 extra_args: list[str] | None = None, env: dict[str, str] | None = None,
-                 ready_timeout_s: float = 120.0, timeout_s: float = 120.0, engine: str = "hf",
-                 python: str | None = None) -> EngineProcess:
+                 secret_file: str | Path | None = None, extra_args: list[str] | None = None,
+                 env: dict[str, str] | None = None, ready_timeout_s: float = 120.0, timeout_s: float = 120.0,
+                 engine: str = "hf", python: str | None = None) -> EngineProcess:
     """Start `python -m rlslurm.rollout.server` and wait until it answers /health.
 
     `engine` is rollout.engine (hf | vllm); `python` is rollout.python, the interpreter of the server
-    process (None = this one; the vLLM engine lives in its own venv, .venv-vllm).
+    process (None = this one; the vLLM engine lives in its own venv, .venv-vllm). `secret_file` is the
+    job's (<run>/secret); without one the engine gets a secret of its own beside its log (mode 0600).
+    The server is handed the file's path, never the secret: argv and env are visible to `ps`.
     """
-    cmd = [python or sys.executable, "-m", "rlslurm.rollout.server", "--engine", engine,
-           "--model", str(model_dir), "--host", host, "--port", str(port), *(extra_args or [])]
     log_path = Path(log_path)
+    secret_file = secret.ensure(secret_file or log_path.with_name(log_path.name + ".secret"))
+    cmd = [python or sys.executable, "-m", "rlslurm.rollout.server", "--engine", engine,
+           "--model", str(model_dir), "--host", host, "--port", str(port), "--secret-file", str(secret_file),
+           *(extra_args or [])]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-    client = EngineClient(f"http://{host}:{port}", timeout_s)
+    client = EngineClient(f"http://{host}:{port}", timeout_s, token=secret.read(secret_file))
     log.info("started engine pid %d at %s (log %s)", proc.pid, client.url, log_path)
     try:
         client.wait_ready(ready_timeout_s, alive=lambda: proc.poll() is None)

@@ -31,7 +31,27 @@ class RolloutConfig:
     max_seq_len: int = 4096
     """Prompt + response tokens one sequence may hold in the KV cache. Range [1, 1e8]."""
     request_timeout_s: float = 120.0
-    """Seconds a generation request may take before the controller gives up on it. Range (0, 86400]."""
+    """Seconds a generation request may take, queued and generating: the controller gives up on it then,
+    and the engine answers 504 and drops its work. Range (0, 86400]."""
+    stall_timeout_s: float = 60.0
+    """Seconds without one decoding step while requests are pending before an engine's /health says
+    unhealthy (503 with the reason). Range (0, 86400]."""
+    open_data_plane: bool = False
+    """Serve /v1/completions and /v1/models to callers without the job's secret; false: only the job's own.
+    Admin routes (weight sync, drain) always need the secret."""
+    max_n: int | None = None
+    """Samples per prompt one request may ask for; null = rl.samples_per_prompt. Range [1, 65536]."""
+    max_prompts_per_request: int | None = None
+    """Prompts in one request; null = what the job sends: a step's rl.prompts_per_step, or task.eval_size
+    for an evaluation, whichever is more. Range [1, 1000000]."""
+    max_prompt_tokens: int | None = None
+    """Tokens of one prompt; null = the served model's context (max_position_embeddings) less max_tokens.
+    Range [1, 1e8]."""
+    max_batch_rows: int | None = None
+    """Sequences (prompts x n) in one request and in one batched generate call; null = the most one of the
+    job's requests makes. Range [1, 1000000]."""
+    max_request_mb: float = 16.0
+    """Largest /v1/completions body, MiB. Range (0, 4096]."""
 
     def __post_init__(self):
         check(self.python is None or bool(str(self.python).strip()), "python",
@@ -45,3 +65,22 @@ class RolloutConfig:
         check_range(self.kv_bytes, "kv_bytes", 0.125, 16, note="bytes per element")
         check_range(self.max_seq_len, "max_seq_len", 1, 10**8, note="tokens")
         check_range(self.request_timeout_s, "request_timeout_s", 0, 86_400, low_open=True, note="seconds")
+        check_range(self.stall_timeout_s, "stall_timeout_s", 0, 86_400, low_open=True, note="seconds")
+        check_range(self.max_n, "max_n", 1, 65_536, note="null = rl.samples_per_prompt")
+        check_range(self.max_prompts_per_request, "max_prompts_per_request", 1, 1_000_000, note="null = the job's own")
+        check_range(self.max_prompt_tokens, "max_prompt_tokens", 1, 10**8, note="tokens; null = the model's context")
+        check_range(self.max_batch_rows, "max_batch_rows", 1, 1_000_000, note="null = the job's own")
+        check_range(self.max_request_mb, "max_request_mb", 0, 4096, low_open=True, note="MiB")
+
+    def server_args(self, *, samples_per_prompt: int, prompts_per_request: int, eval_prompts: int) -> list[str]:
+        """The limits an engine server of this job enforces (rollout/server.py flags): the values set here,
+        else the most the job itself asks for: k samples, its share of a step's prompts or an evaluation."""
+        max_n = self.max_n or samples_per_prompt
+        prompts = self.max_prompts_per_request or max(prompts_per_request, eval_prompts)
+        rows = self.max_batch_rows or max(prompts_per_request * samples_per_prompt, eval_prompts)
+        args = ["--max-n", str(max_n), "--max-tokens", str(self.max_new_tokens), "--max-prompts", str(prompts),
+                "--max-batch-rows", str(rows), "--request-timeout-s", f"{self.request_timeout_s:g}",
+                "--stall-timeout-s", f"{self.stall_timeout_s:g}", "--max-body-mb", f"{self.max_request_mb:g}"]
+        if self.max_prompt_tokens is not None:
+            args += ["--max-prompt-tokens", str(self.max_prompt_tokens)]
+        return args + (["--open-data-plane"] if self.open_data_plane else [])

@@ -17,10 +17,11 @@ The vLLM engine (vllm_engine.py, its own venv) plugs in behind the same methods.
 from __future__ import annotations
 
 import abc
+import json
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Protocol, Sequence
 
 import torch
 
@@ -58,6 +59,23 @@ class Completion:
     prompt_token_ids: list[int] = field(default_factory=list)
 
 
+class Control(Protocol):
+    """How the server steers a `generate` call in progress (rlslurm/rollout/batcher.py)."""
+
+    def step(self) -> Sequence[bool] | None:
+        """Called once per decoding step (a sign of progress). Returns, per prompt of the call, whether to
+        stop generating for it now (its caller left, its deadline passed, the server stops), or None."""
+
+
+def model_facts(model_dir: str | Path) -> tuple[int | None, int | None]:
+    """(vocab_size, context length = max_position_embeddings) from a Hugging Face config.json; None where
+    it does not say (a multimodal config keeps them in text_config)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    text = config.get("text_config") or {}
+    return (config.get("vocab_size") or text.get("vocab_size"),
+            config.get("max_position_embeddings") or text.get("max_position_embeddings"))
+
+
 class Engine(abc.ABC):
     """What the server and the sync protocol need from an engine; one generate runs at a time."""
 
@@ -65,6 +83,10 @@ class Engine(abc.ABC):
     version: int
     tokenizer: object
     """The model's own Hugging Face tokenizer (a callable returning input_ids)."""
+    vocab_size: int | None = None
+    """Token ids a prompt may hold are [0, vocab_size) (the embedding's rows)."""
+    context_tokens: int | None = None
+    """Prompt + generated tokens one sequence may hold (max_position_embeddings of the served model)."""
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt: text through the model's tokenizer, or ids as they came."""
@@ -73,8 +95,10 @@ class Engine(abc.ABC):
         return [int(t) for t in prompt]
 
     @abc.abstractmethod
-    def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[list[Completion]]:
-        """n completions per prompt, all stamped with the current version."""
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams,
+                 control: Control | None = None) -> list[list[Completion]]:
+        """n completions per prompt, all stamped with the current version. With `control`, it is asked at
+        every decoding step which prompts to stop; a stopped prompt's completions are cut short."""
 
     @abc.abstractmethod
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -125,6 +149,7 @@ class HFEngine(Engine):
         self.version = version
         self.device = torch.device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.vocab_size, self.context_tokens = model_facts(self.model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=getattr(torch, dtype))
         self.model.to(self.device).eval()
         self.eos_id = self.tokenizer.eos_token_id
@@ -135,8 +160,9 @@ class HFEngine(Engine):
         self._lock = threading.Lock()  # generate and load_weights never overlap
 
     # -- generation ------------------------------------------------------------------------------
-    def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[list[Completion]]:
-        from transformers import GenerationConfig
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams,
+                 control: Control | None = None) -> list[list[Completion]]:
+        from transformers import GenerationConfig, StoppingCriteriaList
 
         encoded = [self.encode(p) for p in prompts]
         if any(not ids for ids in encoded):
@@ -157,7 +183,9 @@ class HFEngine(Engine):
             version = self.version
             if params.seed is not None:
                 torch.manual_seed(params.seed)
-            out = self.model.generate(input_ids=input_ids, attention_mask=mask, generation_config=config)
+            out = self.model.generate(input_ids=input_ids, attention_mask=mask, generation_config=config,
+                                      stopping_criteria=StoppingCriteriaList([_steer(control, params.n)]
+                                                                             if control is not None else []))
         new = out.sequences[:, width:]
         logits = torch.stack(out.logits, dim=1).float()  # raw logits: logprobs at temperature 1
         chosen = torch.log_softmax(logits, dim=-1).gather(-1, new[:, : logits.shape[1], None])[..., 0]
@@ -214,6 +242,21 @@ class HFEngine(Engine):
                 target.copy_(tensor)
                 loaded += tensor.numel() * tensor.element_size()
         return loaded
+
+
+def _steer(control: Control, n: int):
+    """A transformers StoppingCriteria that asks `control` at every step which rows (n per prompt) stop."""
+    from transformers import StoppingCriteria
+
+    class Steer(StoppingCriteria):
+        def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+            flags = control.step()
+            rows = input_ids.shape[0]
+            if not flags:
+                return torch.zeros(rows, dtype=torch.bool, device=input_ids.device)
+            return torch.tensor([bool(flags[r // n]) for r in range(rows)], dtype=torch.bool, device=input_ids.device)
+
+    return Steer()
 
 
 def _check_fits(model: str, name: str, target: torch.Tensor | None, tensor: torch.Tensor) -> None:

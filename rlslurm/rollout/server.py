@@ -1,21 +1,32 @@
 """The rollout engine server: an OpenAI-compatible HTTP front of one engine, plus the admin side of
 weight sync.
 
-    python -m rlslurm.rollout.server --model DIR --port 8000 [--host 127.0.0.1] [--version 0]
-    .venv-vllm/bin/python -m rlslurm.rollout.server --engine vllm --model DIR --port 8000
+    python -m rlslurm.rollout.server --model DIR --port 8000 --secret-file RUN/secret [--host 127.0.0.1]
+    .venv-vllm/bin/python -m rlslurm.rollout.server --engine vllm --model DIR --port 8000 --secret-file F
 
-Serving: GET /v1/models, POST /v1/completions (the `openai` client works against it). Each response,
-and each choice in it, carries `policy_version`, the version of the weights that generated it; the
-X-Policy-Version header repeats it. Concurrent requests with the same sampling settings are batched
-into one `generate` call by a single batcher thread, so one batch never straddles two versions.
+Serving: GET /v1/models, POST /v1/completions (the `openai` client works against it, the job's secret
+as its api_key). Each response, and each choice in it, carries `policy_version`, the version of the
+weights that generated it; the X-Policy-Version header repeats it. Concurrent requests with the same
+sampling settings are batched into one `generate` call by a single batcher thread, so one batch never
+straddles two versions.
 
-Admin (used by rlslurm/sync/protocol.py): GET /health, /admin/version, /admin/checksum; POST
+Trust (rlslurm/wire.py): every route but GET /health needs `Authorization: Bearer <the job's secret>`
+(401 without); `--open-data-plane` (rollout.open_data_plane) lets anyone reach /v1/*. Bodies are strict
+(rollout/schema.py) and bounded; a request past a limit (n, max_tokens, prompts, prompt tokens against
+the model's context, sequences per call, token ids in the vocabulary) is a 400 that names it
+(batcher.Limits). Each request has a deadline (--request-timeout-s: 504 and its work dropped); a caller
+that disconnects has its work dropped (queued: never run; generating: stopped at the next token).
+/health answers 503 with a reason when work is pending and the generation loop has not stepped for
+--stall-timeout-s. SIGTERM drops all work at once and the server exits within seconds.
+
+Admin (used by rlslurm/sync/protocol.py): GET /admin/version, /admin/checksum; POST
 /admin/drain (refuse new requests with 503 + Retry-After, wait for in-flight, bounded),
 /admin/update/{disk,broadcast,ipc}, /admin/broadcast/join, /admin/verify, /admin/rollback,
 /admin/resume. Updates are accepted only while drained, and resume is refused until the weights
-loaded since the drain passed /admin/verify: an unverified update is never served. An update lands
-beside the served weights and is swapped in by reference once verified when the engine can adopt
-tensors (HFEngine), else it is copied in place over a rollback snapshot (rlslurm/sync/landing.py).
+loaded since the drain passed /admin/verify, whose expectation must name every served tensor: an
+unverified update is never served. An update lands beside the served weights and is swapped in by
+reference once verified when the engine can adopt tensors (HFEngine), else it is copied in place over
+a rollback snapshot (rlslurm/sync/landing.py).
 """
 
 from __future__ import annotations
@@ -24,38 +35,34 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
+import threading
 import time
+import traceback
 from typing import Any
 
 import torch
 import uvicorn
-from fastapi import Body, FastAPI, HTTPException
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict
+from starlette.concurrency import run_in_threadpool
 
-from rlslurm.rollout.batcher import AdmissionGate, Batcher
+from rlslurm import secret, wire
+from rlslurm.rollout import schema
+from rlslurm.rollout.batcher import AdmissionGate, Batcher, Dropped, Job, Limits
 from rlslurm.rollout.engine import Engine, HFEngine, SamplingParams, WeightLoadError
 from rlslurm.sync import disk, ipc
 from rlslurm.sync.broadcast import BroadcastGroup
-from rlslurm.sync.checksum import checksums, compare
+from rlslurm.sync.checksum import checksums, compare, unnamed
 from rlslurm.sync.landing import BufferPool, Landing
 
 log = logging.getLogger("rlslurm.rollout.server")
 
-
-class CompletionRequest(BaseModel):
-    # The openai client sends more fields than we use (top_p, stream, ...): accept and ignore them.
-    model_config = ConfigDict(extra="allow")
-    model: str = ""
-    prompt: str | list[str] | list[int] | list[list[int]]
-    n: int = 1
-    max_tokens: int | None = 16
-    temperature: float | None = 1.0
-    seed: int | None = None
-    logprobs: int | None = None
-    stream: bool | None = False
+DATA_PATHS = ("/v1/completions", "/v1/models")
+ADMIN_BODY_BYTES = 64 << 20  # a manifest of schema.MAX_TENSORS tensors fits
+POLL_S = 0.1  # how often a waiting request looks for its caller's disconnect
 
 
 def _prompts(prompt) -> list:
@@ -67,10 +74,13 @@ def _prompts(prompt) -> list:
 class EngineServer:
     """The server's state: engine, admission gate, batcher, and the sync bookkeeping."""
 
-    def __init__(self, engine: Engine, *, keep_previous: bool = True, max_batch_prompts: int = 256):
+    def __init__(self, engine: Engine, *, keep_previous: bool = True, limits: Limits | None = None,
+                 request_timeout_s: float = 600.0, stall_timeout_s: float = 60.0, debug_stall_s: float = 0.0):
         self.engine = engine
         self.gate = AdmissionGate()
-        self.batcher = Batcher(engine, max_batch_prompts=max_batch_prompts)
+        self.limits = limits or Limits(context_tokens=engine.context_tokens, vocab_size=engine.vocab_size)
+        self.request_timeout_s, self.stall_timeout_s = request_timeout_s, stall_timeout_s
+        self.batcher = Batcher(engine, max_batch_rows=self.limits.max_batch_rows, debug_stall_s=debug_stall_s)
         self.keep_previous = keep_previous
         self.previous: dict[str, torch.Tensor] | None = None  # last verified weights, for rollback
         self.verified = True  # weights served == weights last verified (or loaded at start)
@@ -100,21 +110,31 @@ class EngineServer:
         try:
             nbytes = transport_receive(landing)
             landing.finish()  # staged: the landed tensors' checksums, part of UPDATE
-        except WeightLoadError as e:
-            raise HTTPException(400, str(e)) from None
+        except (WeightLoadError, ValueError, FileNotFoundError) as e:  # the update's fault, not the engine's
+            raise HTTPException(400, f"{type(e).__name__}: {e}") from None
         return {"bytes": nbytes, "seconds": time.monotonic() - t0}
 
     def verify(self, expected: dict[str, str]) -> dict:
-        landed = self.landing.checksums if self.landing is not None else None
-        actual = landed if landed is not None else self.engine.checksums()
-        problems = compare(expected, actual)
+        actual = self.to_be_served()
+        missing = unnamed(expected, actual)  # an empty or partial expectation must not pass
+        problems = compare(expected, actual) + missing
         if not problems and self.landing is not None:
             self.landing.commit()  # staged: the verified tensors are served from now on
             self.landing = None
         self.verified = not problems
         if problems:
-            log.error("verify FAILED: %d tensors differ, first %s", len(problems), problems[0])
-        return {"ok": not problems, "mismatches": problems, "checksums": actual}
+            log.error("verify FAILED: %d tensors differ, %d served ones not named; first %s",
+                      len(problems) - len(missing), len(missing), problems[0])
+        return {"ok": not problems, "mismatches": problems, "missing": len(missing), "checksums": actual}
+
+    def to_be_served(self) -> dict[str, str]:
+        """Checksums of what the engine serves once the landing (if any) is committed: the landed tensors
+        as they landed, every other served tensor as it is."""
+        landed = self.landing.checksums if self.landing is not None else None
+        if landed is None:
+            return self.engine.checksums()
+        rest = {n: t for n, t in self.landing.served.items() if n not in landed}
+        return {**checksums(rest.items()), **landed}
 
     def rollback(self) -> dict:
         if self.gate.state != "drained":
@@ -140,21 +160,30 @@ class EngineServer:
             raise HTTPException(400, str(e)) from None
 
 
-def build_app(server: EngineServer) -> FastAPI:
+def build_app(server: EngineServer, token: str, *, open_data: bool = False,
+              max_body_bytes: int = 16 << 20) -> FastAPI:
+    """The app of one engine: its routes behind the job's secret (rlslurm/wire.py)."""
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         server.batcher.start()
         yield
         server.batcher.stop()
 
-    app = FastAPI(title="rlslurm rollout engine", lifespan=lifespan)
-    engine, gate = server.engine, server.gate
+    app = FastAPI(title="rlslurm rollout engine", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    wire.protect(app, token, data_paths=DATA_PATHS, open_data=open_data,
+                 max_body_bytes=lambda path: ADMIN_BODY_BYTES if path.startswith("/admin/") else max_body_bytes)
+    engine, gate, batcher = server.engine, server.gate, server.batcher
 
     @app.get("/health")
     def health():
-        return {"status": "ok", "state": gate.state, "version": engine.version,
-                "in_flight": gate.in_flight, "verified": server.verified, "model": engine.model_name,
-                "batches": server.batcher.batches}
+        body = {"status": "ok", "state": gate.state, "version": engine.version, "in_flight": gate.in_flight,
+                "verified": server.verified, "model": engine.model_name, "batches": batcher.batches,
+                "steps": batcher.steps, "pending": batcher.pending(), "dropped": dict(batcher.dropped)}
+        stalled = batcher.stalled(server.stall_timeout_s)
+        if stalled:  # whoever polls /health (a client's wait_ready, a supervisor) sees a wedged engine
+            return JSONResponse({**body, "status": "unhealthy", "reason": stalled}, status_code=503)
+        return body
 
     @app.get("/v1/models")
     def models():
@@ -162,27 +191,39 @@ def build_app(server: EngineServer) -> FastAPI:
                                             "owned_by": "rlslurm", "policy_version": engine.version}]}
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
+    async def completions(req: schema.CompletionRequest, request: Request):
         if req.stream:
             return _error(400, "stream=true is not supported by this engine")
-        prompts = _prompts(req.prompt)
-        if not prompts or req.n < 1 or (req.max_tokens is not None and req.max_tokens < 1):
-            return _error(400, "need at least one prompt, n >= 1 and max_tokens >= 1")
-        params = SamplingParams(n=req.n, temperature=float(req.temperature or 0.0),
-                                max_new_tokens=req.max_tokens or 16, seed=req.seed)
+        try:  # tokenizing is CPU work: off the event loop
+            prompts = await run_in_threadpool(lambda: [engine.encode(p) for p in _prompts(req.prompt)])
+        except Exception as e:  # a prompt the tokenizer cannot take is the caller's error
+            return _error(400, f"a prompt could not be tokenized: {type(e).__name__}")
+        max_tokens = req.max_tokens if req.max_tokens is not None else 16
+        problem = server.limits.check(prompts, req.n, max_tokens)
+        if problem is not None:
+            return _error(400, problem)
+        params = SamplingParams(n=req.n, temperature=float(req.temperature or 0.0), max_new_tokens=max_tokens,
+                                seed=req.seed)
         if not gate.enter():
             return _error(503, f"engine is {gate.state} for a weight update; retry shortly",
                           headers={"Retry-After": "1"})
         try:
-            future = server.batcher.submit(prompts, params)
+            job = batcher.submit(prompts, params, server.request_timeout_s)
+        except Dropped as e:
+            gate.leave()
+            return _error(e.status, str(e))
         except BaseException:
             gate.leave()
             raise
-        future.add_done_callback(lambda _: gate.leave())  # in-flight until generation really ended
+        job.future.add_done_callback(lambda _: gate.leave())  # in-flight until generation really ended
         try:
-            results = await asyncio.wrap_future(future)
+            results = await _answer(batcher, job, request)
+        except Dropped as e:
+            return _error(e.status, str(e))
         except ValueError as e:
             return _error(400, str(e))
+        if results is None:
+            return _error(499, "client disconnected; its work was dropped")
         return _openai_response(req, engine.model_name, results)
 
     @app.get("/admin/version")
@@ -190,67 +231,90 @@ def build_app(server: EngineServer) -> FastAPI:
         return {"version": engine.version, "state": gate.state, "verified": server.verified}
 
     @app.post("/admin/drain")
-    def drain(timeout_s: float = Body(30.0, embed=True)):
+    def drain(body: schema.Drain):
         started = time.monotonic()
-        if not gate.drain(timeout_s):
-            return _error(504, f"{gate.in_flight} requests still in flight after {timeout_s} s; "
+        if not gate.drain(body.timeout_s):
+            return _error(504, f"{gate.in_flight} requests still in flight after {body.timeout_s} s; "
                                "engine keeps refusing new ones")
         return {"state": gate.state, "waited_s": time.monotonic() - started, "version": engine.version}
 
     @app.post("/admin/update/disk")
-    def update_disk(path: str = Body(..., embed=True)):
-        return server.receive(lambda landing: disk.receive(path, landing))
+    def update_disk(body: schema.UpdateDisk):
+        return server.receive(lambda landing: disk.receive(body.path, landing))
 
     @app.post("/admin/broadcast/join")
-    def broadcast_join(body: dict = Body(...)):
+    def broadcast_join(body: schema.BroadcastJoin):
         server.group = None
-        server.group = BroadcastGroup.join(body["addr"], int(body["port"]), int(body["rank"]),
-                                           int(body["world_size"]), float(body["timeout_s"]),
-                                           generation=int(body.get("generation", 0)))
+        try:
+            server.group = BroadcastGroup.join(body.addr, body.port, body.rank, body.world_size, body.timeout_s,
+                                               generation=body.generation)
+        except RuntimeError as e:  # the trainer's store unreachable, a peer missing: the trainer retries
+            raise HTTPException(502, f"broadcast join failed: {e}") from None
         return {"rank": server.group.rank, "world_size": server.group.world_size}
 
     @app.post("/admin/update/broadcast")
-    def update_broadcast(body: dict = Body(...)):
+    def update_broadcast(body: schema.UpdateBroadcast):
         if server.group is None:
             raise HTTPException(409, "no broadcast group: call /admin/broadcast/join first")
-        group = server.group
+        group, manifest = server.group, [m.model_dump() for m in body.manifest]
         try:
-            return server.receive(lambda landing: group.receive(body["manifest"], int(body["bucket_bytes"]), landing))
+            return server.receive(lambda landing: group.receive(manifest, body.bucket_bytes, landing))
         except RuntimeError as e:
             server.group = None  # broken by a peer's failure: the trainer rebuilds it
             raise HTTPException(502, f"broadcast receive failed: {e}") from None
 
     @app.post("/admin/update/ipc")
-    def update_ipc(body: dict = Body(...)):
-        return server.receive(lambda landing: ipc.receive(
-            body["manifest"], int(body["bucket_bytes"]), body["handles"], landing,
-            ready=body.get("ready"), timeout_s=float(body.get("timeout_s", 60.0))))
+    def update_ipc(body: schema.UpdateIpc):
+        manifest, handles = [m.model_dump() for m in body.manifest], [h.model_dump() for h in body.handles]
+        ready = body.ready.model_dump() if body.ready is not None else None
+        return server.receive(lambda landing: ipc.receive(manifest, body.bucket_bytes, handles, landing,
+                                                          ready=ready, timeout_s=body.timeout_s))
 
     @app.get("/admin/checksum")
     def checksum():
         return {"version": engine.version, "checksums": engine.checksums()}
 
     @app.post("/admin/verify")
-    def verify(expected: dict[str, str] = Body(..., embed=True)):
-        return server.verify(expected)
+    def verify(body: schema.Verify):
+        return server.verify(body.expected)
 
     @app.post("/admin/rollback")
     def rollback():
         return server.rollback()
 
     @app.post("/admin/resume")
-    def resume(version: int = Body(..., embed=True), unverified_ok: bool = Body(False, embed=True)):
+    def resume(body: schema.Resume):
         # unverified_ok comes only from a job that set sync.verify = false on purpose.
-        if not server.verified and not unverified_ok:
+        if not server.verified and not body.unverified_ok:
             raise HTTPException(409, "weights loaded since the drain are not verified: refusing to serve them")
         if server.landing is not None:  # sync.verify = false, or a verified in-place landing: serve it
             server.landing.commit()
             server.landing = None
-        engine.version = version
+        engine.version = body.version
         gate.resume()
         return {"state": gate.state, "version": engine.version}
 
     return app
+
+
+async def _answer(batcher: Batcher, job: Job, request: Request) -> list | None:
+    """The job's result; Dropped (504) past its deadline; None once the caller disconnected. Either way
+    the job is cancelled in the batcher: queued it never runs, running it stops at the next token."""
+    future = asyncio.wrap_future(job.future)
+    # A result nobody awaits any more must not be logged as "never retrieved".
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())
+    while True:
+        left = job.deadline - batcher.clock()
+        done, _ = await asyncio.wait({future}, timeout=max(0.0, min(POLL_S, left)))
+        if done:
+            return future.result()
+        if left <= 0:
+            error = Dropped("request ran past its deadline (rollout.request_timeout_s); its work was dropped", 504)
+            batcher.cancel(job, error, "deadline")
+            raise error
+        if await request.is_disconnected():
+            batcher.cancel(job, Dropped("client disconnected", 499), "disconnected")
+            return None
 
 
 def _error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
@@ -291,18 +355,39 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--debug-skip-repack", action="store_true",
                    help="vllm only, tests only: load updates without re-packing the CPU GEMM weights "
                         "(a silent half-update that VERIFY must catch)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--debug-stall-s", type=float, default=0.0,
+                   help="tests only: every generate call first waits this long without progress (a wedged engine)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind: the one the job's peers use")
     p.add_argument("--port", type=int, required=True)
+    p.add_argument("--secret-file", default=None,
+                   help=f"the job's secret (<run>/secret); default: the file ${secret.ENV_VAR} names")
+    p.add_argument("--open-data-plane", action="store_true",
+                   help="serve /v1/* to callers without the secret (rollout.open_data_plane)")
     p.add_argument("--name", default=None, help="model id shown by /v1/models (default: the dir's name)")
     p.add_argument("--version", type=int, default=0, help="policy version of the weights in --model")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
-    p.add_argument("--max-batch-prompts", type=int, default=256)
+    limits = Limits()
+    p.add_argument("--max-n", type=int, default=limits.max_n, help="samples per prompt (rollout.max_n)")
+    p.add_argument("--max-tokens", type=int, default=limits.max_tokens,
+                   help="tokens per sample (rollout.max_new_tokens)")
+    p.add_argument("--max-prompts", type=int, default=limits.max_prompts,
+                   help="prompts per request (rollout.max_prompts_per_request)")
+    p.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="tokens per prompt (rollout.max_prompt_tokens; default: the model's context)")
+    p.add_argument("--max-batch-rows", type=int, default=limits.max_batch_rows,
+                   help="prompts x n per request and per generate call (rollout.max_batch_rows)")
+    p.add_argument("--max-body-mb", type=float, default=16.0, help="largest /v1 request body, MiB")
+    p.add_argument("--request-timeout-s", type=float, default=600.0,
+                   help="deadline of one request, queued and generating (rollout.request_timeout_s)")
+    p.add_argument("--stall-timeout-s", type=float, default=60.0,
+                   help="/health is 503 when work is pending and no token came for this long (rollout.stall_timeout_s)")
     p.add_argument("--no-keep-previous", action="store_true",
                    help="do not keep a host copy of the weights for rollback (large models)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    token = secret.from_env_or(args.secret_file)  # before the model loads: a missing secret fails fast
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.engine == "vllm":
@@ -313,19 +398,71 @@ def main(argv: list[str] | None = None) -> None:
     else:
         engine = HFEngine(args.model, device=args.device, dtype=args.dtype, version=args.version,
                           name=args.name)
-    server = EngineServer(engine, keep_previous=not args.no_keep_previous,
-                          max_batch_prompts=args.max_batch_prompts)
-    log.info("serving %s (version %d) on http://%s:%d", engine.model_name, engine.version, args.host, args.port)
+    limits = Limits(max_n=args.max_n, max_tokens=args.max_tokens, max_prompts=args.max_prompts,
+                    max_prompt_tokens=args.max_prompt_tokens, max_batch_rows=args.max_batch_rows,
+                    context_tokens=engine.context_tokens, vocab_size=engine.vocab_size)
+    server = EngineServer(engine, keep_previous=not args.no_keep_previous, limits=limits,
+                          request_timeout_s=args.request_timeout_s, stall_timeout_s=args.stall_timeout_s,
+                          debug_stall_s=args.debug_stall_s)
+    log.info("serving %s (version %d) on http://%s:%d; %s", engine.model_name, engine.version, args.host,
+             args.port, limits)
     # uvicorn shuts down gracefully on SIGTERM, then re-raises it under the handler found at start:
     # unless a caller installed its own (rlslurm/rl/roles.py's rollout component), make that an exit that runs
     # `finally`, so the engine's child processes (vLLM) go with us.
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+    app = build_app(server, token, open_data=args.open_data_plane, max_body_bytes=int(args.max_body_mb * 2**20))
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                            timeout_graceful_shutdown=STOP_GRACE_S)
     try:
-        uvicorn.run(build_app(server), host=args.host, port=args.port, log_level="warning")
+        _StoppingServer(config, server.batcher).run()
     finally:
+        log.info("server stopped; closing the engine")
         engine.close()
 
 
+STOP_GRACE_S = 2
+"""Seconds uvicorn waits for responses in flight at a SIGTERM; the work behind them is dropped at once."""
+
+
+class _StoppingServer(uvicorn.Server):
+    """uvicorn's server, whose SIGTERM / SIGINT first drops every queued and running generation: the
+    requests in flight answer 503 at once, so the graceful shutdown is seconds, not a whole generation."""
+
+    def __init__(self, config: uvicorn.Config, batcher: Batcher):
+        super().__init__(config)
+        self.batcher = batcher
+
+    def handle_exit(self, sig, frame) -> None:
+        # A signal handler runs between two bytecodes of the main thread, which may hold the batcher's
+        # lock: abort from a thread of its own.
+        threading.Thread(target=self.batcher.abort_all, args=(f"engine server stopping ({signal.Signals(sig).name})",),
+                         name="abort-on-signal", daemon=True).start()
+        super().handle_exit(sig, frame)
+
+
+def run_as_program(argv: list[str] | None = None) -> None:
+    """`python -m rlslurm.rollout.server`: main(), then leave at once with its exit code. The interpreter's
+    own exit runs a garbage collection over everything torch, transformers and vLLM imported: measured
+    4-9 s after the engine was already closed, which would make a SIGTERM anything but prompt."""
+    from rlslurm.errors import RlslurmError
+
+    code = 0
+    try:
+        main(argv)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except RlslurmError as e:  # e.g. no secret file: one clear line, no traceback
+        print(f"rlslurm.rollout.server: error: {e}", file=sys.stderr)
+        code = e.exit_code
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    main()
+    run_as_program()

@@ -26,9 +26,12 @@ expert tensor is refused (WeightLoadError) and VERIFY reports the expert tensors
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
@@ -36,8 +39,13 @@ from typing import Iterable, Iterator, Sequence
 import torch
 
 from rlslurm.errors import ConfigError
-from rlslurm.rollout.engine import Completion, Engine, Prompt, SamplingParams, WeightLoadError
+from rlslurm.rollout.engine import Completion, Control, Engine, Prompt, SamplingParams, WeightLoadError, model_facts
 
+log = logging.getLogger(__name__)
+
+CLOSE_S = 0.5
+"""Seconds vLLM's own shutdown gets (SIGTERM to its EngineCore) before vLLM force-kills it and its workers.
+Longer is no gentler: measured on CPU, an EngineCore waits 5 s for an idle worker that does not exit."""
 _PROBE_ROWS = 1024  # identity rows per GEMM call when reading a packed weight back (bounds the temporary)
 
 
@@ -186,6 +194,32 @@ class WorkerWeights:
 
 # -- engine side (runs in the server process) --------------------------------------------------------
 
+def _titled_vllm(proc) -> bool:
+    import psutil
+
+    try:
+        return any(part.startswith("VLLM::") for part in proc.cmdline()[:1] + [proc.name()])
+    except psutil.Error:
+        return False
+
+
+def _running(procs: list, timeout_s: float) -> list:
+    """Those of `procs` still running after up to timeout_s. A zombie counts as gone: a worker orphaned
+    by its EngineCore is reaped by init, if at all, not by us (psutil.wait_procs would wait it out)."""
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = []
+        for proc in procs:
+            with contextlib.suppress(psutil.Error):
+                if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(proc)
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
+
+
 def _check_cpu_head_size(model_dir: Path) -> None:
     """vLLM's CPU attention serves only some head sizes; fail at start with the sizes, not mid-generate."""
     if torch.cuda.is_available():
@@ -227,6 +261,7 @@ class VLLMEngine(Engine):
         self.model_dir = Path(model_dir)
         self.model_name = name or self.model_dir.name
         self.version = version
+        self.vocab_size, self.context_tokens = model_facts(self.model_dir)
         self.skip_repack = skip_repack
         # Eager: a compiled graph could bake the packed-weight handle in as a constant, and an update
         # re-packs into a new one; compiling on a small CPU host also costs more than it saves.
@@ -235,21 +270,36 @@ class VLLMEngine(Engine):
                        worker_extension_cls=f"{__name__}.WorkerWeights", **gpu)
         self.tokenizer = self.llm.get_tokenizer()
         self._lock = threading.Lock()  # generate, load and checksum never overlap
+        self._calls = 0  # generate calls so far: part of each request id
         self.layout = self._rpc("rlslurm_layout")
 
     def close(self) -> None:
         # vLLM stops its EngineCore and worker processes only from a finalizer that interpreter exit
         # may skip: without this an engine server's SIGTERM left both running (1.5 GB each).
         core = getattr(getattr(self, "llm", None), "llm_engine", None)
-        if core is not None:
-            core.engine_core.shutdown(timeout=10)
+        if core is None:
+            return
+        import psutil
+
+        # vLLM's own processes (their titles start with VLLM::), not e.g. multiprocessing's resource tracker.
+        children = [p for p in psutil.Process().children(recursive=True) if _titled_vllm(p)]
+        core.engine_core.shutdown(timeout=CLOSE_S)
+        # vLLM's shutdown gives a worker 5 s after its EngineCore went, then 5 s more (measured on CPU, the
+        # worker idle): a server that must stop within seconds ends what is left of its process tree itself.
+        alive = _running(children, timeout_s=1.0)
+        for proc in alive:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        _running(alive, timeout_s=5.0)
+        log.info("vLLM engine closed (%d processes had to be killed)", len(alive))
 
     def _rpc(self, method: str, *args):
         (result,) = self.llm.collective_rpc(method, args=args)  # tensor-parallel size 1: one worker
         return result
 
     # -- generation ------------------------------------------------------------------------------
-    def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[list[Completion]]:
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams,
+                 control: Control | None = None) -> list[list[Completion]]:
         import vllm
 
         encoded = [self.encode(p) for p in prompts]
@@ -262,10 +312,13 @@ class VLLMEngine(Engine):
         inputs = [{"prompt_token_ids": ids} for ids in encoded]
         with self._lock:
             version = self.version
-            outputs = self.llm.generate(inputs, sampling, use_tqdm=False)
+            outputs = self._run(inputs, sampling, control)
         results: list[list[Completion]] = []
         for p, out in enumerate(outputs):
             per_prompt = []
+            if out is None:  # stopped by `control`: its caller gets no result
+                results.append(per_prompt)
+                continue
             for sample in sorted(out.outputs, key=lambda o: o.index):
                 tokens = list(sample.token_ids)
                 logprobs = [step[t].logprob for step, t in zip(sample.logprobs or [], tokens)]
@@ -277,6 +330,46 @@ class VLLMEngine(Engine):
                     version=version, prompt_token_ids=encoded[p]))
             results.append(per_prompt)
         return results
+
+    def _run(self, inputs: list[dict], sampling, control: Control | None) -> list:
+        """LLM.generate's own loop (add the requests, then step the engine until they are done), with
+        `control` asked after every step and the prompts it stops aborted in the engine (vLLM's
+        abort_request): a caller that left or ran out of time costs at most one more step. Outputs in
+        prompt order; None = aborted."""
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = self.llm.llm_engine
+        sampling.output_kind = RequestOutputKind.FINAL_ONLY  # as LLM.generate asks: one output per request
+        self._calls += 1
+        # Our own request ids: vLLM reports outputs and takes aborts by these (it keeps internal ones too).
+        ids = [f"rlslurm-{self._calls}-{i}" for i in range(len(inputs))]
+        added = []
+        try:
+            for rid, prompt in zip(ids, inputs):
+                engine.add_request(rid, prompt, sampling)
+                added.append(rid)
+        except BaseException:
+            engine.abort_request(added)
+            raise
+        index = {rid: i for i, rid in enumerate(ids)}
+        done: dict[int, object] = {}
+        aborted: set[str] = set()
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished and out.request_id in index:
+                        done[index[out.request_id]] = out
+                flags = control.step() if control is not None else None
+                if flags:
+                    stop = [rid for rid, i in index.items() if flags[i] and i not in done and rid not in aborted]
+                    if stop:
+                        log.info("aborting %d of %d requests in vLLM", len(stop), len(ids))
+                        engine.abort_request(stop)
+                        aborted.update(stop)
+        except BaseException:  # nothing of this call may stay in the engine for the next one to step
+            engine.abort_request([rid for rid, i in index.items() if i not in done and rid not in aborted])
+            raise
+        return [None if ids[i] in aborted else done.get(i) for i in range(len(ids))]
 
     # -- weights -----------------------------------------------------------------------------------
     def checksums(self) -> dict[str, str]:

@@ -37,11 +37,15 @@ class Entry:
         return math.prod(self.shape) * torch.empty((), dtype=to_dtype(self.dtype)).element_size()
 
 
+DTYPES = ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int64", "int32",
+          "int16", "int8", "uint64", "uint32", "uint16", "uint8", "bool")
+"""The dtypes a manifest may name (by torch's name, without `torch.`): an allow-list, not getattr(torch, x)."""
+
+
 def to_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown torch dtype {name!r} in a sync manifest")
-    return dtype
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} in a sync manifest is not one of {', '.join(DTYPES)}")
+    return getattr(torch, name)
 
 
 def manifest_of(tensors: Mapping[str, torch.Tensor]) -> list[dict]:

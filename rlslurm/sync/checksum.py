@@ -157,14 +157,18 @@ def checksums(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
 
 
 def compare(expected: Mapping[str, str], actual: Mapping[str, str]) -> list[dict]:
-    """Every name whose checksum differs or that only one side has, with both values as evidence.
-
-    An engine may hold tensors the trainer does not send (tied aliases, buffers); only the names
-    the trainer sent are compared, and each of them must be present on the engine.
-    """
+    """Every name the trainer sent whose checksum differs, or that the engine lacks, with both values
+    as evidence. (The other way round, served tensors the trainer left out: `unnamed`.)"""
     problems = []
     for name, want in expected.items():
         got = actual.get(name)
         if got != want:
             problems.append({"name": name, "expected": want, "actual": got})
     return problems
+
+
+def unnamed(expected: Mapping[str, str], served: Mapping[str, str]) -> list[dict]:
+    """Served tensors that the expectation does not name. VERIFY needs every one: an empty or partial
+    expectation would otherwise pass whatever the engine serves."""
+    return [{"name": name, "expected": None, "actual": "served, but the expectation does not name it"}
+            for name in served if name not in expected]

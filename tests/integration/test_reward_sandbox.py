@@ -12,6 +12,7 @@ import pytest
 
 from rlslurm.reward.config import RewardConfig, SandboxConfig
 from rlslurm.reward.supervisor import RewardSupervisor
+from rlslurm.secret import bearer
 
 SANDBOX = SandboxConfig(cpu_s=1, wall_s=3.0, mem_mb=256, nproc=16, output_kb=16)
 
@@ -46,7 +47,7 @@ def test_hostile_programs_are_contained(service, tmp_path):
     listener.settimeout(0.2)
     tmp_path.chmod(0o777)  # writable by anyone on the host: only the sandbox may stop the write
     target = str(tmp_path / "escaped.txt")
-    http = httpx.Client(base_url=service.url, timeout=120)
+    http = httpx.Client(base_url=service.url, timeout=120, headers=bearer(service.token))
     pid_before = http.get("/health").json()["pid"]
     programs = hostile_programs(listener.getsockname()[1], target, pid_before)
     items = [{"id": name, "response": f"```python\n{code}```", "tests": "print('tests ran')"}
@@ -78,3 +79,19 @@ def test_hostile_programs_are_contained(service, tmp_path):
     metrics = http.get("/metrics").text
     assert 'rlslurm_reward_items_total{status="scored"} 10' in metrics
     assert 'rlslurm_reward_sandbox_total{status="timeout"}' in metrics
+
+
+def test_an_early_exit_zero_is_not_a_pass(service):
+    """A program that leaves with status 0 before its tests run (the reward hack exit 0 invites) scores 0."""
+    http = httpx.Client(base_url=service.url, timeout=120, headers=bearer(service.token))
+    failing = "assert add(2, 3) == 5"
+    items = [{"id": "os_exit", "response": "import os\ndef add(a, b):\n    return 0\nos._exit(0)\n", "tests": failing},
+             {"id": "sys_exit", "response": "import sys\ndef add(a, b):\n    return 0\nsys.exit(0)\n", "tests": failing},
+             {"id": "prints_ok", "response": "def add(a, b):\n    return 0\nprint('ok')\nraise SystemExit\n",
+              "tests": failing},
+             {"id": "honest", "response": "def add(a, b):\n    return a + b\nprint('done')\n", "tests": failing}]
+    results = {r["id"]: r for r in http.post("/score", json={"items": items}).json()["results"]}
+    for name in ("os_exit", "sys_exit", "prints_ok"):
+        assert results[name]["score"] == 0.0, results[name]
+        assert "exited before the tests finished" in results[name]["reason"], results[name]
+    assert results["honest"]["score"] == 1.0, results["honest"]

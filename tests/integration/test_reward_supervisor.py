@@ -19,6 +19,7 @@ from rlslurm.reward.config import RewardConfig
 from rlslurm.reward.scorers import Item
 from rlslurm.reward.supervisor import RewardSupervisor, free_port
 from rlslurm.rundir import RunDir
+from rlslurm.secret import bearer
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +70,7 @@ def test_judge_rubric_scores_and_counts_parse_failures(judge, tmp_path):
         start = time.monotonic()
         outcomes, summary = asyncio.run(step())
         wall_s = time.monotonic() - start
-        metrics = httpx.get(sup.url + "/metrics").text
+        metrics = httpx.get(sup.url + "/metrics", headers=bearer(sup.token)).text
     by_id = {o.id: o for o in outcomes}
     assert [by_id[str(i)].score for i in range(10)] == [0.5, 0.5, 0.2, 0.2, 0.2] + [0.9] * 5
     assert [by_id[str(i)].degraded for i in range(10)] == [True] * 2 + [False] * 8

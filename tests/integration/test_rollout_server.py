@@ -34,7 +34,7 @@ def reference(models):
 
 
 def test_openai_client_gets_versioned_completions(engine, reference):
-    client = openai.OpenAI(base_url=engine.url + "/v1", api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=engine.url + "/v1", api_key=engine.client.token, max_retries=0)
     assert [m.id for m in client.models.list().data] == ["policy"]
     out = client.completions.create(model="policy", prompt=PROMPTS[:2], n=2, max_tokens=8, temperature=0)
     assert len(out.choices) == 4 and [c.index for c in out.choices] == [0, 1, 2, 3]
@@ -103,6 +103,6 @@ def test_bad_requests_are_400(engine):
     with pytest.raises(EngineRequestError) as e:
         engine.client.completions([], max_tokens=4)
     assert e.value.status == 400
-    client = openai.OpenAI(base_url=engine.url + "/v1", api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=engine.url + "/v1", api_key=engine.client.token, max_retries=0)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="policy", prompt="abc", max_tokens=4, stream=True)

