@@ -23,8 +23,8 @@ from rlslurm.plan.checkpoint_interval import Interval, checkpoint_interval
 from rlslurm.plan.decode import KVCache, RolloutCapacity, kv_cache, roofline, roofline_by_profile, weights_gb
 from rlslurm.plan.gpus import GpuPlan, gpu_plan
 from rlslurm.plan.memory import TrainerMemory, trainer_memory
-from rlslurm.plan.parallel import Rule, static_rules
 from rlslurm.plan.options import PLACEMENTS, Option, Placement, all_options, option
+from rlslurm.plan.parallel import Rule, static_rules
 from rlslurm.plan.placement import Colocate, colocate, stated_placement
 from rlslurm.plan.quantity import Q
 from rlslurm.plan.recompute import MODES, forward_flops, recompute_factor, recompute_scale
@@ -104,7 +104,9 @@ class Plan:
         faster = [o for o in self.options if o is not chosen and o.step.total_s < chosen.step.total_s
                   and o.split.verdict != "OOM" and not (o.advised and o in allowed)]
         # The advised first (what the plan would take next), and among faster ones those that could run.
-        first = (lambda xs: min(xs, key=lambda o: (not o.runnable, not o.advised, o.step.total_s)) if xs else None)
+        def first(xs: list[Option]) -> Option | None:
+            return min(xs, key=lambda o: (not o.runnable, not o.advised, o.step.total_s)) if xs else None
+
         return first(others), first(faster)
 
     def excluded_by(self, o: Option) -> str | None:

@@ -190,7 +190,8 @@ class StepScoring:
                 future.cancel()
                 raise RewardServiceError(
                     f"step {self.scores.step}: {self.scores.settled} of {self.submitted} responses scored after "
-                    f"{bound_s:.0f} s, past what reward.timeout_s, retries and concurrency allow; service {session.url}")
+                    f"{bound_s:.0f} s, past what reward.timeout_s, retries and concurrency allow; "
+                    f"service {session.url}")
         said = session.events.read()
         down = events.select(said, events.REWARD_SERVICE_DOWN)
         if down:

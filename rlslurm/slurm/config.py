@@ -6,13 +6,14 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from rlslurm.configfile import FieldError, check, check_name, check_path, check_range
+from rlslurm.configfile import FieldError, check, check_path, check_range
 
 
 @dataclass(frozen=True, kw_only=True)
 class ClusterConfig:
     backend: Literal["auto", "slurm", "local"] = "auto"
-    """slurm = a heterogeneous SLURM job; local = this machine via submitit's local executor; auto = slurm where sbatch exists."""
+    """slurm = a heterogeneous SLURM job; local = this machine via submitit's local executor; auto = slurm where
+    sbatch exists."""
     train_partition: str = "train"
     """Partition of het component 0 (trainer ranks + controller); a SLURM name (a comma list allowed)."""
     rollout_partition: str = "rollout"
