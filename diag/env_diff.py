@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlslurm.errors import PreflightError
-from rlslurm.network import NETWORK_PREFIXES, is_network_variable
+from rlslurm.network import NETWORK_PREFIXES, NODE_DERIVED_ENV, is_network_variable
 from rlslurm.node import node_name
 from rlslurm.rundir import RunDir
 
@@ -42,7 +42,7 @@ PER_RANK_VARS = {"CUDA_VISIBLE_DEVICES", "NCCL_ASYNC_ERROR_HANDLING_RANK"}
 # The versions that must be one across a process group.
 CRITICAL = ("torch", "nccl")
 # Facts of the machine, not of the software: listed in a fingerprint, never compared.
-NOT_COMPARED = {"host", "role", "rank", "pid", "time", "executable"}
+NOT_COMPARED = {"host", "role", "rank", "pid", "time", "executable", "node_derived"}
 
 
 def _version(dist: str) -> str | None:
@@ -78,7 +78,11 @@ def fingerprint(role: str = "main", rank: int = 0) -> dict:
         "kernel": platform.release(),
     }
     fp.update({f"pkg.{name}": _version(name) for name in PACKAGES})
-    fp.update({f"env.{k}": v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)})
+    derived = set(filter(None, os.environ.get(NODE_DERIVED_ENV, "").split(",")))
+    fp.update({f"env.{k}": v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES) and k not in derived})
+    # What the node chose for itself (its own interface, rlslurm/dist.py bind_to_node_address): listed, never
+    # compared, since two nodes may name their interfaces differently with nothing misconfigured.
+    fp["node_derived"] = ",".join(f"{k}={os.environ.get(k)}" for k in sorted(derived)) or None
     return fp
 
 

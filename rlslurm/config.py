@@ -49,7 +49,8 @@ class JobSpec:
     """Job name shown by SLURM and used in the run directory's name: 1 to 64 letters, digits, '.', '_' or '-',
     starting with a letter or digit."""
     kind: Literal["sft", "rl", "toy"] = "rl"
-    """Which entrance: sft = offline data, rl = GRPO with rollout, reward and weight sync, toy = the spine's deterministic test loop."""
+    """Which entrance: sft = offline data, rl = GRPO with rollout, reward and weight sync, toy = the spine's
+    deterministic test loop."""
 
     def __post_init__(self):
         check_name(self.name, "name", "it names the run directory and the SLURM job")

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from rlslurm.network import NODE_DERIVED_ENV
+
 
 @dataclass(frozen=True)
 class Topology:
@@ -117,8 +119,13 @@ def bind_to_node_address(env=None) -> str | None:
         return None
     iface = interface_of(node_address(node))
     if iface is not None:
-        e.setdefault("GLOO_SOCKET_IFNAME", iface)
-        e.setdefault("NCCL_SOCKET_IFNAME", iface)
+        derived = [name for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if name not in e]
+        for name in derived:
+            e[name] = iface
+        # Said so in the environment: a value this node worked out for itself may differ between nodes by
+        # design (ib0 here, eth0 there), so env-diff keeps it out of its train/rollout comparison.
+        if derived:
+            e[NODE_DERIVED_ENV] = ",".join(derived)
     return iface
 
 

@@ -29,6 +29,9 @@ from rlslurm.configfile import FieldError, check, check_range, check_text
 
 NETWORK_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_", "UCX_")
 """Names of the variables `network.extra` may set, and that env-diff compares between train and rollout."""
+NODE_DERIVED_ENV = "RLSLURM_NODE_DERIVED_ENV"
+"""Names of the variables a process set from its own node (rlslurm/dist.py bind_to_node_address: the node's
+interface), comma-separated: env-diff lists them and does not compare them."""
 
 _NAME = re.compile(r"(?:NCCL|GLOO|TORCH_NCCL|TORCH_DISTRIBUTED|UCX)_[A-Z0-9_]{1,64}")
 _IFNAME = re.compile(r"[\^=]?[A-Za-z0-9_.:-]{1,64}(,[A-Za-z0-9_.:-]{1,64}){0,31}")

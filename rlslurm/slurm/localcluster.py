@@ -36,8 +36,8 @@ Ports: slurmctld `port_base` (16817 by default, or $RLSLURM_SLURM_PORT_BASE), sl
 +190; two clusters on one machine need two port bases (and two dirs). Job ids start at
 1 + 1000 * (port_base - 16817), so jobs of two clusters never derive the same rendezvous port.
 cred_expire=5 makes a requeued job restart after ~6 s instead of ~136 s. SlurmdTimeout=20: a node that stops
-answering (its link cut) is DOWN, and its jobs requeued off it, after ~20 s instead of 300. Accounting is off; finished jobs
-are in `jobcomp.txt` (read with `sacct -c`, see commands.sacct).
+answering (its link cut) is DOWN, and its jobs requeued off it, after ~20 s instead of 300. Accounting is off;
+finished jobs are in `jobcomp.txt` (read with `sacct -c`, see commands.sacct).
 """
 
 from __future__ import annotations

@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+import spine_util as su
 from rlslurm.rundir import RunDir
 from rlslurm.slurm.localcluster import GPUS_PER_NODE
-import spine_util as su
 from waiting import wait_for
 
 pytestmark = pytest.mark.cluster

@@ -162,7 +162,8 @@ def test_every_component_asks_slurm_for_its_gpus():
 
 def test_a_job_that_asks_no_gpu_sees_none():
     lines = _script().splitlines()
-    assert not [ln for ln in lines if ln.startswith("#SBATCH") and "gpu" in ln] and "export CUDA_VISIBLE_DEVICES=" in lines
+    assert not [ln for ln in lines if ln.startswith("#SBATCH") and "gpu" in ln]
+    assert "export CUDA_VISIBLE_DEVICES=" in lines
 
 
 # -- what each task is handed --------------------------------------------------------------------------------

@@ -134,3 +134,27 @@ def test_the_controller_refuses_before_its_first_broadcast_sync(run):
         Controller.check_env(SimpleNamespace(run=run, transport=SimpleNamespace(name="broadcast")))
     (event,) = read_events(run, "env_diff")
     assert event["ok"] is False and "trainer rank 0 ib0; rollout eth9" in event["report"]
+
+
+def test_an_interface_each_node_chose_for_itself_is_listed_not_compared(tmp_path, monkeypatch):
+    """Trainer and engine nodes may name their interfaces differently (ib0, eth0) with nothing misconfigured:
+    what bind_to_node_address derived from the node refuses nothing; the same difference set by hand does."""
+    from rlslurm import dist
+
+    monkeypatch.setattr(dist, "node_address", lambda node: "127.0.0.1")  # this node's address: on lo
+    run = RunDir(tmp_path / "run").create()
+    for role, iface in (("train", "lo"), ("rollout", "eth7")):
+        env = {"SLURMD_NODENAME": f"{role}-node"}
+        assert dist.bind_to_node_address(env) == "lo"
+        env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = iface  # as a node with another name would
+        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "RLSLURM_NODE_DERIVED_ENV"):
+            monkeypatch.setenv(name, env[name])
+        write_fingerprint(run, role, 0)
+    fp = json.loads((run.env / "rollout-0.json").read_text())
+    assert "env.NCCL_SOCKET_IFNAME" not in fp
+    assert fp["node_derived"] == "GLOO_SOCKET_IFNAME=eth7,NCCL_SOCKET_IFNAME=eth7"
+    assert compare(read_fingerprints(run.path), sync_method="broadcast").ok
+
+    monkeypatch.delenv("RLSLURM_NODE_DERIVED_ENV")  # the job (or a node's prolog) set it: compared
+    write_fingerprint(run, "rollout", 0)
+    assert not compare(read_fingerprints(run.path), sync_method="broadcast").ok
