@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from rlslurm.plan.placement import stated_placement
 from rlslurm.safeyaml import excerpt
@@ -110,6 +110,12 @@ def _cluster(job: "JobConfig") -> Iterator[Rule]:
                f"cluster.tasks_per_node = {cl.tasks_per_node} differs from hardware.gpus_per_node = "
                f"{job.hardware.gpus_per_node}: the plan checks memory and divisibility for one rank per GPU, the "
                "job would start another number; set one of them (or leave tasks_per_node null)")
+    gres = [g.split(":")[0] for g in (cl.gres_per_node or "").split(",")]
+    if cl.backend != "local" and "gpu" in gres and job.hardware.profile != "cpu":
+        yield ("cluster.gres_per_node",
+               f"cluster.gres_per_node = {excerpt(cl.gres_per_node)} asks for GPUs, which a job of hardware.profile = "
+               f"{job.hardware.profile!r} asks itself from the plan (--gpus-per-node: one per trainer rank, "
+               "rollout.tp per engine; `rlslurm plan` shows them): remove gpu from cluster.gres_per_node")
     if cl.backend == "local":
         by = "cluster.backend = 'local'"
         for name, value in _changed(cl, "train_partition", "rollout_partition", "cpus_per_task", "mem_gb",

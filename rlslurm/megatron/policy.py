@@ -38,8 +38,8 @@ from pathlib import Path
 import torch
 
 from rlslurm.diag.guard import PhaseGuard
-from rlslurm.dist import compute_device
-from rlslurm.errors import ConfigError, RlslurmError
+from rlslurm.dist import bind_local_gpu, compute_device
+from rlslurm.errors import ConfigError
 from rlslurm.megatron.device import on_device, peak_memory, reset_peak_memory
 from rlslurm.megatron.optimizer_state import OptimizerState
 from rlslurm.megatron.trainer import causal_mask
@@ -141,7 +141,9 @@ class MegatronPolicy(RLPolicy):
 
         for key, message in job_rules(job):  # JobConfig refused these at load; a hand-built job may not have
             raise ConfigError(f"{key} = {_value(job, key)!r} {message}")
-        self.device = compute_device()  # the GPU init_process_group made current, else the CPU
+        if torch.cuda.is_available():
+            bind_local_gpu(topo.local_rank)  # its own GPU, or an error naming why it has none
+        self.device = compute_device()  # that GPU, else the CPU (gloo: rlslurm/megatron/device.py)
         self.job, self.topo, self.model_dir = job, topo, Path(model_dir)
         self.spec, norm_eps = hf_model_spec(model_dir)
         self.layout = Layout(tp=job.parallel.tp)
@@ -304,7 +306,7 @@ def _loss(chunk: Packed, behaviour: torch.Tensor, clip: float, divisor: float, m
     return loss * micro_batches, {"loss": loss.detach()}
 
 
-# -- what rlslurm/rl/checkpointing.py reads as policy.model and policy.optimizer -------------------------------------------
+# -- what rlslurm/rl/checkpointing.py reads as policy.model and policy.optimizer ----------------------------
 
 class HFView:
     """The policy in Hugging Face terms: rlslurm/rl/checkpointing.py's `load` puts a checkpoint's HF tensors in through

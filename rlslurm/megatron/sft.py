@@ -182,7 +182,8 @@ class MegatronSFTState:
         missing, unexpected = self.hf.load_state_dict(tensors, strict=False)
         tied = {"lm_head.weight"} if self.spec.tie_embeddings else set()
         if unexpected or set(missing) - tied:
-            raise CheckpointError(f"the Megatron export does not fit the HF model: missing {sorted(set(missing) - tied)}"
+            raise CheckpointError("the Megatron export does not fit the HF model: missing "
+                                  f"{sorted(set(missing) - tied)}"
                                   f", unexpected {sorted(unexpected)}")
         path = save_hf(self.hf, directory, max_new_tokens=max_new_tokens)
         model, _ = load_hf(path)  # what an engine serves: the export as transformers reads it

@@ -26,7 +26,8 @@ from rlslurm.rl.policy import RLPolicy
 from rlslurm.rundir import RunDir
 
 
-def save(run: RunDir, job: JobConfig, topo: Topology, policy: RLPolicy, step: int, version: int, rl_state: dict) -> float:
+def save(run: RunDir, job: JobConfig, topo: Topology, policy: RLPolicy, step: int, version: int,
+         rl_state: dict) -> float:
     """Collective: every rank's RNG is gathered; rank 0 writes model, optimizer, RNG and RL state. An
     optimizer sharded over ranks (Megatron's) has its owners write their shards into rank 0's temp dir
     first, so the checkpoint is complete only with every shard in its manifest."""

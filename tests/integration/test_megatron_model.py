@@ -14,7 +14,6 @@ import os
 import socket
 import sys
 
-import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -90,9 +89,9 @@ def _load_shard_and_compare(model: ModelConfig, layout, hf_tensors, seed: int):
 def _worker(rank: int, world: int, port: int, out_dir: str, cases: list):
     os.environ["HF_HUB_OFFLINE"] = "1"
     torch.set_num_threads(1)
-    from rlslurm.dist import Topology, init_process_group
     import torch.distributed as dist
 
+    from rlslurm.dist import Topology, init_process_group
     from rlslurm.megatron.convert import Layout, SafetensorsDir, export_hf
     from rlslurm.megatron.model import build_gpt_model, init_parallel
 
@@ -213,7 +212,8 @@ def _fusion_worker(rank: int, port: int, out: str):
     # 20 keys (16 < keys <= 4096, divisible by 4) x batch 2 x 4 heads: the shapes that take the fused path.
     tokens = torch.randint(0, DENSE.vocab, (2, 20), generator=torch.Generator().manual_seed(0))
     found = {}
-    for case, overrides in (("chosen", flags(choose_fusions(on_gpu=True))), ("before", {"masked_softmax_fusion": True})):
+    cases = (("chosen", flags(choose_fusions(on_gpu=True))), ("before", {"masked_softmax_fusion": True}))
+    for case, overrides in cases:
         gpt = build_gpt_model(DENSE, Layout(), torch.bfloat16, **overrides)
         try:
             with torch.no_grad():

@@ -28,10 +28,10 @@ import torch
 import torch.multiprocessing as mp
 
 from rlslurm.config import JobConfig
-from rlslurm.rl.experience import Sample
-from rlslurm.rl.policy import Policy
-from rlslurm.rl.objective import behaviour_logprobs, grpo_objective, pack
 from rlslurm.modelspec import ModelConfig
+from rlslurm.rl.experience import Sample
+from rlslurm.rl.objective import behaviour_logprobs, grpo_objective, pack
+from rlslurm.rl.policy import Policy
 from rlslurm.tokenizer import PAD_ID
 
 # The embedded model at a head size vLLM's attention takes everywhere (64), two layers.
@@ -253,7 +253,8 @@ def _policy_worker(rank: int, port: int, model_dir: str, out_dir: str, weight_by
     tolerance = 1e-4 if weight_bytes == 4.0 else 0.1  # bf16 compute against fp32 transformers
     assert (ours[mask] - theirs[mask]).abs().max().item() < tolerance
 
-    # HF round trip 2: the checkpoint path (rlslurm/rl/checkpointing.py's load) puts HF tensors back into Megatron exactly.
+    # HF round trip 2: the checkpoint path (rlslurm/rl/checkpointing.py's load) puts HF tensors back into
+    # Megatron exactly.
     policy.model.load_state_dict({n: t.cpu() for n, t in before.items()}, strict=False)
     back = policy.weights()
     if weight_bytes == 4.0:
@@ -277,8 +278,8 @@ def _resume_worker(rank: int, port: int, model_dir: str, run_dir: str, mode: str
     torch.set_num_threads(1)
     from rlslurm.checkpoint import latest_complete
     from rlslurm.dist import Topology, init_process_group
-    from rlslurm.rl.checkpointing import load, save
     from rlslurm.megatron.policy import MegatronPolicy
+    from rlslurm.rl.checkpointing import load, save
     from rlslurm.rundir import RunDir
 
     topo = Topology(0, 1, 0, "127.0.0.1", port)
