@@ -72,18 +72,23 @@ class AgentKeeper:
                 return
             cause, sig = death_cause(code)
             with self._lock:
-                restart = not self._stopping.is_set() and self.restarts < self.max_restarts
+                restarted = None
+                if not self._stopping.is_set() and self.restarts < self.max_restarts:
+                    try:
+                        restarted = self.start()
+                        self.restarts += 1
+                    except Exception as e:  # noqa: BLE001 - said in the event; the ranks go on unwatched
+                        cause += f"; the restart failed: {type(e).__name__}: {e}"
                 fields = {"signal": sig} if sig else {}
                 events.emit(self.run, events.NODE_AGENT_DIED, node=self.node, agent_pid=proc.pid, returncode=code,
                             cause=cause, log=str(self.log_path), log_tail=log_tail(self.log_path),
-                            restarted=restart, **fields)
+                            restarted=restarted is not None, **fields)
                 log.error("node agent pid %d on %s %s; %s", proc.pid, self.node, cause,
-                          "restarting it" if restart else f"not restarted ({self.restarts} restarts made, "
-                          f"budget {self.max_restarts}): hangs on this node go unwatched")
-                if not restart:
+                          f"restarted as pid {restarted.pid}" if restarted else f"not restarted ({self.restarts} "
+                          f"restarts made, budget {self.max_restarts}): hangs on this node go unwatched")
+                if restarted is None:
                     return
-                self.restarts += 1
-                self.proc = self.start()
+                self.proc = restarted
 
     def stop(self) -> None:
         """The job is leaving: terminate the agent (if it still runs); its exit is no event."""

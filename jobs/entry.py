@@ -88,6 +88,12 @@ def start_node_agent(run: RunDir, role: str) -> subprocess.Popen:
     # long enough to dump stacks. It is still in the step's process tree, which is what SLURM signals
     # (proctrack/linuxproc), so USR1 reached it and killed it: started with USR1 ignored, it stays so
     # across exec.
+    if threading.current_thread() is not threading.main_thread():
+        # A restart by the agent's keeper (diag/agent.py) runs in its thread, where signal.signal is refused:
+        # a shell ignores USR1 the same way before it execs the agent.
+        with open(log_path, "ab") as out:
+            return subprocess.Popen(["sh", "-c", 'trap "" USR1; exec "$@"', "sh", *argv], stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
     previous = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     try:
         with open(log_path, "ab") as out:
