@@ -152,7 +152,9 @@ class HeartbeatWriter:
                     self._tmp.unlink(missing_ok=True)  # a half-written temp file holds the space that ran out
                 if self.unwritable_since is None:
                     self.unwritable_since = now
-                    self._report(events.HEARTBEAT_UNWRITABLE, path=str(self.path), error=f"{type(e).__name__}: {e}",
+                    # The error without its file name: that is the temp file; `path` names the heartbeat.
+                    said = f"[Errno {e.errno}] {e.strerror}" if e.strerror else str(e)
+                    self._report(events.HEARTBEAT_UNWRITABLE, path=str(self.path), error=f"{type(e).__name__}: {said}",
                                  errno=e.errno)
                 self.error = e
                 return

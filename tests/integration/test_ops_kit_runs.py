@@ -12,11 +12,8 @@ through `rlslurm submit --backend local`, faulted mid-run as a user's job would 
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -29,6 +26,7 @@ from rlslurm import events, launch
 from rlslurm.cli.main import cli
 from rlslurm.config import load_config
 from rlslurm.rundir import RunDir
+from failures import node_agent, read_only
 from waiting import wait_for
 
 pytestmark = pytest.mark.slow
@@ -67,24 +65,6 @@ def trained_steps(run: RunDir) -> int:
     return max((e.get("step") or 0 for e in events.read_events(run, events.CHECKPOINT_SAVED)), default=-1)
 
 
-@contextlib.contextmanager
-def read_only(path: Path):
-    """Make `path` refuse writes while its files stay readable: a read-only bind mount (root), chmod 0500."""
-    if os.geteuid() == 0:
-        subprocess.run(["mount", "--bind", str(path), str(path)], check=True)
-        try:
-            subprocess.run(["mount", "-o", "remount,bind,ro", str(path)], check=True)
-            yield errno.EROFS
-        finally:
-            subprocess.run(["umount", "-l", str(path)], check=False)
-    else:
-        path.chmod(0o500)
-        try:
-            yield errno.EACCES
-        finally:
-            path.chmod(0o755)
-
-
 def diag_text(run: RunDir, tmp_path: Path) -> str:
     result = CliRunner().invoke(cli, ["diag", str(run.path), "--out", str(tmp_path / "bundles"), "--no-slurm"],
                                 catch_exceptions=False)
@@ -121,24 +101,16 @@ def _beats(run: RunDir, n: int) -> list[dict]:
     return beats if len(beats) == n else []
 
 
-def _agent(run: RunDir) -> psutil.Process | None:
-    for proc in psutil.process_iter(["cmdline"]):
-        cmd = proc.info["cmdline"] or []
-        if "rlslurm.diag.watchdog" in cmd and str(run.path) in cmd:
-            return proc
-    return None
-
-
 def test_a_killed_node_agent_is_named_restarted_and_the_job_finishes(tmp_path):
     sub = submit(tmp_path)
     run = RunDir(sub.run_dir)
-    first = wait_for("the node agent", lambda: _agent(run), timeout_s=120)
+    first = wait_for("the node agent", lambda: node_agent(run.path), timeout_s=120)
     # After the attempt's `start` event: what status and diag show is the current attempt's.
     wait_for("the start event", lambda: events.read_events(run, events.START), timeout_s=120)
     first.send_signal(signal.SIGKILL)
     (died,) = wait_for("node_agent_died", lambda: events.read_events(run, events.NODE_AGENT_DIED), timeout_s=30)
     assert (died["agent_pid"], died["signal"], died["restarted"]) == (first.pid, "SIGKILL", True)
-    second = wait_for("a new node agent", lambda: (a := _agent(run)) is not None and a.pid != first.pid and a,
+    second = wait_for("a new node agent", lambda: (a := node_agent(run.path)) is not None and a.pid != first.pid and a,
                       timeout_s=30)
     status = CliRunner().invoke(cli, ["status", str(run.path)])
     assert f"node agent pid {first.pid} on {died['node']} killed by SIGKILL at " in status.output, status.output
