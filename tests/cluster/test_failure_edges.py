@@ -9,15 +9,20 @@ from __future__ import annotations
 
 import re
 import socket
+import time
 
 import pytest
+import yaml
 from click.testing import CliRunner
 
 import spine_util as su
 from rlslurm import events, launch
 from rlslurm.cli.main import cli
 from rlslurm.config import load_config
+from rlslurm.diag.heartbeat import read_heartbeats
+from rlslurm.jobs.toytrain import FAIL_ENV
 from rlslurm.rundir import RunDir
+from waiting import wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -76,3 +81,23 @@ def test_status_says_slurm_does_not_answer_and_keeps_the_runs_own_lines(slurm_cl
                         r"SLURM command\); the lines below are the run directory's own \(heartbeats, checkpoints, "
                         r"events\)", line.group(1)), line.group(1)
     assert "last complete checkpoint: none" in result.output and " start main-0 step=0" in result.output
+
+
+def test_resume_of_a_job_that_ended_failed_is_not_refused_by_its_fresh_failed_heartbeat(slurm_cluster, tmp_path,
+                                                                                       monkeypatch):
+    config = su.toy_config(tmp_path / "failing.yaml", tmp_path / "runs", step_delay_s=0.05)
+    data = yaml.safe_load(config.read_text())
+    data["diag"] = {"heartbeat_interval_s": 12.0}  # a heartbeat counts as fresh for 5 beats: 60 s
+    config.write_text(yaml.safe_dump(data, sort_keys=False))
+    with monkeypatch.context() as mp:
+        mp.setenv(FAIL_ENV, "3")  # rank 0 raises at step 3; sbatch exports it to the job
+        sub = su.submit(config)
+    wait_for(f"job {sub.job_id} FAILED", lambda: su.state(sub.job_id) == "FAILED", 120, on_poll=slurm_cluster.kick)
+    run = RunDir(sub.run_dir)
+    failed = [hb for hb in read_heartbeats(run) if hb.get("state") == "failed"]
+    assert failed and all(time.time() - hb["written"] < 60 for hb in failed), read_heartbeats(run)
+    result = CliRunner().invoke(cli, ["resume", str(run.path), "--set", "train.steps=4"])
+    assert result.exit_code == 0 and "submitted slurm job " in result.output, (result.output, read_heartbeats(run))
+    resumed = re.search(r"submitted slurm job (\d+)", result.output).group(1)
+    su.TRACKED.append((resumed, run.path))
+    su.wait_done(resumed, run.path, 180, slurm_cluster.kick)
