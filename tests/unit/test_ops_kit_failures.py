@@ -121,15 +121,20 @@ def test_diag_names_the_unwritable_heartbeat_and_a_dead_agent(run):
 AGENT = [sys.executable, "-m", "rlslurm.diag.watchdog", "--parent-pid", "0"]
 
 
-def test_a_killed_node_agent_is_an_event_with_its_cause_and_is_restarted_within_its_budget(run):
-    log_path = run.logs / "watchdog-train-n1.log"
+def agent_starter(run: RunDir, log_path: Path):
+    """What the job's keeper is given: start the real node agent of `run`, its output into `log_path`."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
 
     def start():
         with open(log_path, "ab") as out:
             return subprocess.Popen([*AGENT, "--run-dir", str(run.path)], stdout=out, stderr=subprocess.STDOUT)
 
-    keeper = AgentKeeper(run, start, log_path=log_path, node="n1", max_restarts=1)
+    return start
+
+
+def test_a_killed_node_agent_is_an_event_with_its_cause_and_is_restarted_within_its_budget(run):
+    log_path = run.logs / "watchdog-train-n1.log"
+    keeper = AgentKeeper(run, agent_starter(run, log_path), log_path=log_path, node="n1", max_restarts=1)
     first = keeper.proc
     try:
         wait_for("the agent's first log line", lambda: "watching heartbeats" in log_path.read_text(), timeout_s=30)
@@ -155,13 +160,7 @@ def test_a_killed_node_agent_is_an_event_with_its_cause_and_is_restarted_within_
 
 def test_an_agent_stopped_by_the_job_is_no_death(run):
     log_path = run.logs / "watchdog.log"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-
-    def start():
-        with open(log_path, "ab") as out:
-            return subprocess.Popen([*AGENT, "--run-dir", str(run.path)], stdout=out, stderr=subprocess.STDOUT)
-
-    keeper = AgentKeeper(run, start, log_path=log_path, node="n1")
+    keeper = AgentKeeper(run, agent_starter(run, log_path), log_path=log_path, node="n1")
     wait_for("the agent's first log line", lambda: "watching heartbeats" in log_path.read_text(), timeout_s=30)
     keeper.stop()
     assert keeper.proc.wait(timeout=10) == 0 and not keeper._thread.join(timeout=5)
