@@ -1,6 +1,6 @@
 # Two commands on a fresh machine (see README):
 #   make demo   install everything, then run the main job on the embedded default
-#   make test   install everything, then run the whole test suite (what .ci/run runs)
+#   make test   install everything, then ruff and the whole test suite (what .ci/run runs)
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -16,6 +16,8 @@ install-vllm: install
 demo: install
 	RLSLURM=$(VENV)/bin/rlslurm bash examples/demo.sh
 
+# ruff (the dev extra; config in pyproject.toml) first: a lint error fails the run before the suite starts.
 # tests/cluster starts a real local Slurm (root, Debian packages); one that cannot start is an error.
 test: install install-vllm
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -ra -p no:cacheprovider tests

@@ -87,14 +87,15 @@ def _one_job(trigger: str, repeats: int, folder: Path, kick, log) -> list[dict]:
     try:
         for k in range(1, repeats + 1):
             since = _last_step(run) if k > 1 else 0
-            _wait(f"job {sub.job_id} to train 3 steps", lambda: _last_step(run) >= since + 3, JOB_TIMEOUT_S, kick)
+            _wait(f"job {sub.job_id} to train 3 steps", lambda since=since: _last_step(run) >= since + 3,
+                  JOB_TIMEOUT_S, kick)
             fired_at = time.time()
             if trigger == "scontrol requeue":
                 commands.requeue(sub.job_id)
             else:
                 request_drain(run, "bench_requeue")
             first = _wait(f"job {sub.job_id} to train again after {trigger} #{k}",
-                          lambda: [e for e in read_events(run, FIRST_STEP) if e["t"] > fired_at],
+                          lambda fired_at=fired_at: [e for e in read_events(run, FIRST_STEP) if e["t"] > fired_at],
                           JOB_TIMEOUT_S, kick)[0]
             started = min(p["t"] for p in read_jsonl(run.path / "placement.jsonl")
                           if p["role"] == "train" and p["restart_count"] == k)

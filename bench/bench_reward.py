@@ -43,7 +43,7 @@ def start_judge(latency_s: float) -> tuple[subprocess.Popen, str]:
             return proc, url + "/v1"
         except httpx.HTTPError:
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("judge stub did not start")
+                raise SystemExit("judge stub did not start") from None
             time.sleep(0.1)
 
 
@@ -122,9 +122,11 @@ def main(responses: int, concurrency: int, latency_s: float, executions: int) ->
         ("judge: responses x latency / concurrency", f"{responses} x {latency_s:g} s / {concurrency}", ""),
         ("judge: measured / ideal", f"{j['wall_s']:.2f} s / {j['ideal_s']:.2f} s",
          f"{ratio:.3f} ({'ok' if ratio <= 1.1 else 'OVER'} <= 1.1)"),
-        ("judge: measured / serial", f"{j['wall_s']:.2f} s / {j['serial_s']:.0f} s", f"{j['wall_s'] / j['serial_s']:.4f}"),
+        ("judge: measured / serial", f"{j['wall_s']:.2f} s / {j['serial_s']:.0f} s",
+         f"{j['wall_s'] / j['serial_s']:.4f}"),
         ("judge: degraded responses", f"{j['degraded']} of {responses}", f"{j['degraded'] / responses:.3f}"),
-        (f"sandbox ({s['mode']}) vs bare subprocess: exec/s/core", f"{s['sandbox_per_s_core']:.1f} vs {s['bare_per_s_core']:.1f}",
+        (f"sandbox ({s['mode']}) vs bare subprocess: exec/s/core",
+         f"{s['sandbox_per_s_core']:.1f} vs {s['bare_per_s_core']:.1f}",
          f"{s['sandbox_per_s_core'] / s['bare_per_s_core']:.3f}"),
         ("sandbox vs bare: core-ms per execution", f"{s['sandbox_ms']:.1f} vs {s['bare_ms']:.1f}",
          f"{s['sandbox_ms'] / s['bare_ms']:.2f}x (+{s['sandbox_ms'] - s['bare_ms']:.1f} ms)"),

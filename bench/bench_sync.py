@@ -219,10 +219,12 @@ def rows(result: dict) -> list[dict]:
     for name, m in result["methods"].items():
         out.append({"measure": f"sync {name}: UPDATE vs raw transport (GB/s)",
                     "values": f"{m['update_gbps']:.2f} vs {m['raw_gbps']:.2f}",
-                    "ratio": m["efficiency"], "goal": f">= {GOAL_EFFICIENCY}", "ok": m["efficiency"] >= GOAL_EFFICIENCY})
+                    "ratio": m["efficiency"], "goal": f">= {GOAL_EFFICIENCY}",
+                    "ok": m["efficiency"] >= GOAL_EFFICIENCY})
         out.append({"measure": f"sync {name}: (drain+verify) / UPDATE",
                     "values": f"({m['drain_s']:.3f} + {m['verify_s']:.3f}) s / {m['update_s']:.3f} s",
-                    "ratio": m["overhead_share"], "goal": f"<= {GOAL_OVERHEAD:.0%}", "ok": m["overhead_share"] <= GOAL_OVERHEAD})
+                    "ratio": m["overhead_share"], "goal": f"<= {GOAL_OVERHEAD:.0%}",
+                    "ok": m["overhead_share"] <= GOAL_OVERHEAD})
         around = m["wall_s"] - m["update_s"]
         out.append({"measure": f"sync {name}: (whole sync - UPDATE) / UPDATE",
                     "values": f"{around:.3f} s / {m['update_s']:.3f} s (resume {m['resume_s']:.3f})",

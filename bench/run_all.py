@@ -88,7 +88,8 @@ def reward_rows(r: dict) -> list[dict]:
         row("judge: measured / serial", f"{j['wall_s']:.2f} s / {j['serial_s']:.0f} s", j["wall_s"] / j["serial_s"]),
         row("judge: degraded responses", f"{j['degraded']} of {r['responses']}", j["degraded"] / r["responses"],
             "0", j["degraded"] == 0),
-        row(f"sandbox vs bare: exec/s/core ({s['mode']})", f"{s['sandbox_per_s_core']:.1f} vs {s['bare_per_s_core']:.1f} "
+        row(f"sandbox vs bare: exec/s/core ({s['mode']})",
+            f"{s['sandbox_per_s_core']:.1f} vs {s['bare_per_s_core']:.1f} "
             f"(+{s['sandbox_ms'] - s['bare_ms']:.1f} core-ms each)", s["sandbox_per_s_core"] / s["bare_per_s_core"]),
     ]
 
@@ -154,7 +155,8 @@ def render(benches: list[dict]) -> str:
     for name, r in table:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
         verdict = {True: "ok", False: "MISSED", None: ""}[r["ok"]]
-        lines.append(f"{name:<7} {r['measure']:<{w_measure}}  {r['values']:<{w_values}}  {ratio:>7}  {r['goal']:<8} {verdict}")
+        lines.append(f"{name:<7} {r['measure']:<{w_measure}}  {r['values']:<{w_values}}  {ratio:>7}  "
+                     f"{r['goal']:<8} {verdict}")
     for b in benches:
         status = f"{b['seconds']:.0f} s" if b["ok"] else f"FAILED after {b['seconds']:.0f} s: {b['error']}"
         lines.append(f"  {b['name']}: {status}")
@@ -177,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(render(benches))
     payload = {"started": started, "seconds": time.time() - started, "quick": args.quick,
-               "host": {"node": platform.node(), "cpus": len(os.sched_getaffinity(0)), "python": platform.python_version()},
+               "host": {"node": platform.node(), "cpus": len(os.sched_getaffinity(0)),
+                        "python": platform.python_version()},
                "benches": benches}
     args.json_out.parent.mkdir(parents=True, exist_ok=True)
     args.json_out.write_text(json.dumps(payload, indent=1, default=str))

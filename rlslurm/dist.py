@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from rlslurm.network import NODE_DERIVED_ENV
+
 
 @dataclass(frozen=True)
 class Topology:
@@ -117,8 +119,13 @@ def bind_to_node_address(env=None) -> str | None:
         return None
     iface = interface_of(node_address(node))
     if iface is not None:
-        e.setdefault("GLOO_SOCKET_IFNAME", iface)
-        e.setdefault("NCCL_SOCKET_IFNAME", iface)
+        derived = [name for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if name not in e]
+        for name in derived:
+            e[name] = iface
+        # Said so in the environment: a value this node worked out for itself may differ between nodes by
+        # design (ib0 here, eth0 there), so env-diff keeps it out of its train/rollout comparison.
+        if derived:
+            e[NODE_DERIVED_ENV] = ",".join(derived)
     return iface
 
 
@@ -134,17 +141,36 @@ def compute_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def bind_local_gpu(local_rank: int, required: bool = True) -> torch.device | None:
+    """Make this rank's own GPU current: its local rank's among those it sees (rlslurm/devices.py says who
+    shows which). A rank without one of its own raises (RlslurmError) rather than share a GPU with a peer;
+    with `required` False (a gloo job on a GPU node) it stays on the CPU then."""
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        if not required:
+            return None
+        from rlslurm.errors import RlslurmError
+
+        raise RlslurmError(f"local rank {local_rank} has no GPU of its own: this task sees {count} "
+                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')!r}); the job "
+                           "asks one per trainer rank (layout.json: train_gpus_per_node), so its node or machine "
+                           "gave it fewer")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
 def init_process_group(topo: Topology, timeout_s: float = 120.0, backend: str | None = None) -> None:
     """Join the default process group of this component; a peer that never comes raises at timeout_s.
     `backend` (default backend_for_device()): "gloo" for a job that computes on the CPU even on a GPU node."""
     if dist.is_initialized():
         return
+    backend = backend or backend_for_device()
     if torch.cuda.is_available():
         # Before the first collective: NCCL takes the current device, and two local ranks left on cuda:0
         # fail with "Duplicate GPU detected" (the object collectives use the current device too).
-        torch.cuda.set_device(topo.local_rank % torch.cuda.device_count())
+        bind_local_gpu(topo.local_rank, required=backend == "nccl")
     dist.init_process_group(
-        backend=backend or backend_for_device(),
+        backend=backend,
         init_method=f"tcp://{topo.master_addr}:{topo.master_port}",
         rank=topo.rank,
         world_size=topo.world_size,

@@ -80,7 +80,7 @@ PREFLIGHT_FORCED = declare("preflight_forced", "submitted with --force past the 
 COMPONENT_STARTED = declare("component_started", "a het-job component's first task started on its nodes",
                             by="jobs/entry.py",
                             required=("component", "component_role", "partition", "nodes", "job_kind"),
-                            informational=True)
+                            optional=("srun_args",), informational=True)
 START = declare("start", "a start of the job with no checkpoint to resume: training begins at `step`",
                 by="rlslurm/lifecycle.py", required=("step", "restart_count"))
 RESUME = declare("resume", "a start of the job that resumed from the newest complete checkpoint",

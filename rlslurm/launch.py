@@ -102,11 +102,17 @@ def checked_plan(job: JobConfig, force: bool = False):
     return plan, problems
 
 
-def prepare(job: JobConfig, *, config_text: str, force: bool = False, run_root: str | Path | None = None):
-    """Plan, pre-flight and a new run directory holding the config and the plan. Nothing is submitted."""
+def prepare(job: JobConfig, *, config_text: str, force: bool = False, run_root: str | Path | None = None,
+            backend: str | None = None):
+    """Plan, pre-flight and a new run directory holding the config and the plan. Nothing is submitted.
+    `backend` local: the machine must have the GPUs the layout asks (PreflightError before any directory)."""
     from rlslurm.plan.report import render_json
 
     plan, problems = checked_plan(job, force)
+    if backend == "local":
+        from rlslurm.devices import local_gpu_ids
+
+        local_gpu_ids(JobLayout.decide(job, plan, "local"))
     run = new_run_dir(job, run_root)
     secret.ensure(run.secret)  # the job's secret: every server of the job requires it; requeues keep it
     run.config.write_text(yaml.safe_dump(to_dict(job), sort_keys=False))
@@ -120,9 +126,10 @@ def prepare(job: JobConfig, *, config_text: str, force: bool = False, run_root: 
 def submit(job: JobConfig, *, config_text: str, force: bool = False, backend: str | None = None,
            run_root: str | Path | None = None) -> Submission:
     """Validate -> plan -> pre-flight -> run directory -> submit; returns the job id and run directory."""
-    run, plan = prepare(job, config_text=config_text, force=force, run_root=run_root)
+    chosen = resolve_backend(job, backend)
+    run, plan = prepare(job, config_text=config_text, force=force, run_root=run_root, backend=chosen)
     try:
-        return _launch(job, run, plan, resolve_backend(job, backend))
+        return _launch(job, run, plan, chosen)
     except BaseException as e:
         # Refused (sbatch said no: a partition that does not exist, a constraint SLURM rejects) or broken
         # off: the directory is removed, not kept and marked. It holds only what prepare wrote a moment ago
@@ -238,12 +245,19 @@ def dry_run(job: JobConfig, *, force: bool = False, backend: str | None = None,
         script = submission_script(_slurm_executor(job, path, lay, ScriptRenderer))
         lines += ["sbatch script:", script.rstrip("\n")]
     else:
+        from rlslurm.devices import local_gpu_ids
+        from rlslurm.network import network_env
+
+        gpus = local_gpu_ids(lay)  # refused as submit would refuse it: this machine lacks the GPUs
         engines = (f"rank 0 spawns {lay.engines} rollout engine(s) beside it" if job.job.kind == "rl"
                    else "no rollout")
+        net = "".join(f" {k}={shlex.quote(v)}" for k, v in network_env(job.network).items())
         lines += ["local launch (submitit's LocalExecutor on this machine):",
                   f"  {lay.train_world} task(s) of rlslurm.jobs.entry.run_component({str(path)!r}), timeout "
                   f"{job.cluster.time_limit_min} min; {engines}",
-                  f"  env: {ENV_VAR}={shlex.quote(str(path))} MASTER_ADDR=127.0.0.1 MASTER_PORT=<a free port>",
+                  f"  GPUs: {','.join(map(str, gpus)) or 'none'} of this machine's (CUDA_VISIBLE_DEVICES of every "
+                  f"task; each rank takes its local rank's); engines' positions among them {lay.spawned_engine_gpus}",
+                  f"  env: {ENV_VAR}={shlex.quote(str(path))} MASTER_ADDR=127.0.0.1 MASTER_PORT=<a free port>{net}",
                   f"  logs: {path / 'logs' / 'submitit'}"]
     return "\n".join(lines) + "\n"
 
@@ -257,7 +271,8 @@ def _slurm_executor(job: JobConfig, run_path: Path, lay: JobLayout, executor_cla
     if lay.rollout_nodes:
         extra.append(Component(partition=cl.rollout_partition, nodes=lay.rollout_nodes,
                                ntasks_per_node=lay.rollout_tasks_per_node, cpus_per_task=cl.cpus_per_task,
-                               mem_gb=cl.mem_gb, gres=cl.gres_per_node))
+                               mem_gb=cl.mem_gb, gres=cl.gres_per_node,
+                               gpus_per_node=lay.rollout_gpus_per_node or None))
     if lay.reward_component:
         if not lay.rollout_nodes:
             raise PreflightError("reward.service = 'component' needs a rollout component too (het component 2 "
@@ -274,7 +289,9 @@ def _slurm_executor(job: JobConfig, run_path: Path, lay: JobLayout, executor_cla
                         # USR1 to every task (not only the batch shell): each rank's drain gate sees it.
                         additional_parameters={"requeue": True, "signal": f"USR1@{cl.signal_before_s}"},
                         setup=[f"export {ENV_VAR}={shlex.quote(str(run_path))}",
-                               "export RLSLURM_LEADER_JOB_ID=${SLURM_JOB_ID}"])
+                               "export RLSLURM_LEADER_JOB_ID=${SLURM_JOB_ID}", *_env_exports(job, lay)])
+    if lay.train_gpus_per_node:
+        params["gpus_per_node"] = lay.train_gpus_per_node
     if cl.mem_gb:
         params["mem"] = f"{int(cl.mem_gb)}GB"
     if cl.gres_per_node:
@@ -284,6 +301,16 @@ def _slurm_executor(job: JobConfig, run_path: Path, lay: JobLayout, executor_cla
         params["additional_parameters"][key.replace("-", "_")] = value or True
     executor.update_parameters(**params)
     return executor
+
+
+def _env_exports(job: JobConfig, lay: JobLayout) -> list[str]:
+    """The batch shell's exports that every step of the job inherits: the network environment
+    (rlslurm/network.py), and no GPU for a job that asks none (a node without GRES would otherwise pass on
+    whatever the submitting shell had)."""
+    from rlslurm.network import network_env
+
+    lines = [f"export {name}={shlex.quote(value)}" for name, value in network_env(job.network).items()]
+    return lines + ([] if lay.train_gpus_per_node else ["export CUDA_VISIBLE_DEVICES="])
 
 
 def _submit_slurm(job: JobConfig, run: RunDir, lay: JobLayout) -> Submission:
@@ -296,17 +323,24 @@ def _submit_slurm(job: JobConfig, run: RunDir, lay: JobLayout) -> Submission:
 def _submit_local(job: JobConfig, run: RunDir, lay: JobLayout) -> Submission:
     import submitit
 
+    from rlslurm.devices import local_gpu_ids
     from rlslurm.jobs.entry import run_component
+    from rlslurm.network import network_env
 
     executor = submitit.LocalExecutor(folder=run.logs / "submitit")
-    # The local executor gives tasks only SUBMITIT_LOCAL_* variables; rlslurm/dist.py maps them.
-    executor.update_parameters(tasks_per_node=lay.train_world, nodes=1, timeout_min=job.cluster.time_limit_min)
+    # The local executor gives tasks only SUBMITIT_LOCAL_* variables; rlslurm/dist.py maps them. Every task
+    # sees the job's GPUs of this machine (gpus_per_node of visible_gpus; none: an empty CUDA_VISIBLE_DEVICES)
+    # and takes its local rank's (rlslurm/devices.py).
+    gpus = local_gpu_ids(lay)
+    executor.update_parameters(tasks_per_node=lay.train_world, nodes=1, timeout_min=job.cluster.time_limit_min,
+                               gpus_per_node=len(gpus), visible_gpus=gpus)
     from rlslurm.dist import free_port
 
     # Local tasks inherit this process's environment at submit time (submitit starts them inside submit).
     # Put it back afterwards: a MASTER_PORT left behind would be exported by sbatch into every later
     # SLURM job of this process, and rlslurm/dist.py prefers it to the per-job port.
-    job_env = {ENV_VAR: str(run.path), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    job_env = {ENV_VAR: str(run.path), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+               **network_env(job.network)}
     saved = {key: os.environ.get(key) for key in job_env}
     os.environ.update(job_env)
     try:

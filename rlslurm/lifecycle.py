@@ -120,7 +120,8 @@ def on_start(run: RunDir, restart_count: int, *, step: int, checkpoint: str | No
 _LOST_STATES = ("DOWN", "NOT_RESPONDING", "FAIL", "DRAIN", "NO_RESPOND")
 
 
-def name_lost_nodes(run: RunDir, restart_count: int, show_node: Callable[[str], list[dict]] | None = None) -> list[dict]:
+def name_lost_nodes(run: RunDir, restart_count: int,
+                    show_node: Callable[[str], list[dict]] | None = None) -> list[dict]:
     """On a restart: the nodes the previous attempt ran on (placement.jsonl) that SLURM now holds DOWN, not
     responding or drained, each as a `node_lost` event (node, SLURM's state and reason). SLURM requeued the
     job off them (a lost node is NODE_FAIL); this says which node it was, for `rlslurm diag` and people."""

@@ -19,8 +19,8 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlslurm.errors import RunDirError
 from rlslurm import events
+from rlslurm.errors import RunDirError
 from rlslurm.rundir import RunDir, read_jsonl
 
 PHASES = ("rollout", "reward", "train", "sync")
@@ -160,12 +160,14 @@ def summary(data: RunMetrics) -> dict[str, object]:
         out["median step (s)"] = round(statistics.median(r["step_s"] for r in data.steps if r.get("step_s")), 4)
     if data.kind == "rl" and total_s:
         for name in (*PHASES, "idle"):
-            out[f"{name} share of step time"] = f"{100 * sum(r.get(f'{name}_s') or 0.0 for r in data.steps) / total_s:.1f} %"
+            phase_s = sum(r.get(f"{name}_s") or 0.0 for r in data.steps)
+            out[f"{name} share of step time"] = f"{100 * phase_s / total_s:.1f} %"
         effective = sum(r.get("effective_samples") or 0 for r in data.steps)
         out["effective samples per s (whole run)"] = round(effective / total_s, 1)
         for key, label in (("reward_mean", "reward mean (last step)"),
                            ("reward_degraded_ratio", "reward degraded ratio (max)"),
-                           ("staleness_max", "policy staleness (max)"), ("sync_update_gbps", "sync update GB/s (median)")):
+                           ("staleness_max", "policy staleness (max)"),
+                           ("sync_update_gbps", "sync update GB/s (median)")):
             _, values = data.series(key)
             if values:
                 pick = {"reward_mean": values[-1], "sync_update_gbps": statistics.median(values)}.get(key, max(values))
@@ -331,7 +333,8 @@ def _rl_throughput(ax, data: RunMetrics) -> None:
 
 def _rl_quality(ax, data: RunMetrics) -> None:
     if data.has("reward_mean"):
-        ax.plot(*data.series("reward_mean"), color="#55A868", marker=_marker(data), label="reward mean (rollout samples)")
+        ax.plot(*data.series("reward_mean"), color="#55A868", marker=_marker(data),
+                label="reward mean (rollout samples)")
     if data.evals:
         ax.plot([e[0] for e in data.evals], [e[1] for e in data.evals], color="#C44E52", marker="o",
                 label="held-out accuracy (greedy)")
@@ -345,7 +348,8 @@ def _rl_quality(ax, data: RunMetrics) -> None:
 
 def _rl_health(ax, data: RunMetrics) -> None:
     if data.has("reward_degraded_ratio"):
-        ax.plot(*data.series("reward_degraded_ratio"), color="#DD8452", marker=_marker(data), label="reward degraded ratio")
+        ax.plot(*data.series("reward_degraded_ratio"), color="#DD8452", marker=_marker(data),
+                label="reward degraded ratio")
         ax.set_ylim(-0.02, 1.02)
         ax.set_ylabel("degraded ratio", color="#DD8452")
         ax.legend(loc="upper left", fontsize=8)

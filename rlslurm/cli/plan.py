@@ -14,7 +14,8 @@ from rlslurm.errors import PreflightError
 
 @click.command("plan")
 @click.argument("config", type=click.Path(dir_okay=False))
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config key, e.g. train.steps=50.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override a config key, e.g. train.steps=50.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--explain", is_flag=True, help="Show the terms behind each number.")
 def command(config: str, overrides: tuple[str, ...], as_json: bool, explain: bool) -> None:

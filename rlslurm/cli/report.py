@@ -13,6 +13,7 @@ import click
 
 from rlslurm.cli.options import run_root_option
 
+
 @click.command("report")
 @click.argument("target")
 @run_root_option

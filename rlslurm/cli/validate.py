@@ -11,7 +11,8 @@ from rlslurm.configfile import to_dict
 
 @click.command("validate")
 @click.argument("config", type=click.Path(dir_okay=False))
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config key, e.g. train.steps=50.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override a config key, e.g. train.steps=50.")
 @click.option("--print", "show", is_flag=True, help="Print the resolved config (defaults filled in) as YAML.")
 def command(config: str, overrides: tuple[str, ...], show: bool) -> None:
     """Check CONFIG: syntax, keys, types, values and the rules between sections."""

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from rlslurm.diag.guard import PhaseGuard
+from rlslurm.dist import bind_local_gpu
 from rlslurm.errors import ConfigError, RlslurmError
 from rlslurm.modelspec import ModelConfig
 from rlslurm.node import node_name
@@ -147,7 +148,7 @@ class MegatronPolicy(RLPolicy):
         require_cuda()
         for key, message in job_rules(job):  # JobConfig refused these at load; a hand-built job may not have
             raise ConfigError(f"{key} = {_value(job, key)!r} {message}")
-        torch.cuda.set_device(topo.local_rank % torch.cuda.device_count())
+        bind_local_gpu(topo.local_rank)
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.job, self.topo, self.model_dir = job, topo, Path(model_dir)
         self.spec, norm_eps = hf_model_spec(model_dir)

@@ -87,7 +87,8 @@ def roofline(active_params: float, hbm_tb_s: float, label: str = "decode rooflin
     """Upper bound of decoded tokens/s per GPU and stream: HBM bandwidth / (active params x 2 B)."""
     per_token_gb = gb(active_params * ROLLOUT_WEIGHT_BYTES)
     return Q(label, hbm_tb_s * 1000 / per_token_gb if per_token_gb else float("inf"), "tok/s/GPU",
-             f"{hbm_tb_s:g} TB/s / ({params(active_params)} active x {ROLLOUT_WEIGHT_BYTES:g} B = {per_token_gb:.3g} GB)")
+             f"{hbm_tb_s:g} TB/s / ({params(active_params)} active x {ROLLOUT_WEIGHT_BYTES:g} B "
+             f"= {per_token_gb:.3g} GB)")
 
 
 def roofline_by_profile(active_params: float) -> dict[str, Q]:

@@ -209,6 +209,7 @@ def trainer_memory(counts: ParamCounts, model: ModelConfig, parallel: ParallelCo
     peak_gb = resident.value + act.total.value - act.fused_ce_saving.value
     peak = Q("peak", peak_gb, "GB",
              f"resident {resident.text()} + activations {act.total.text()} - fused CE {act.fused_ce_saving.text()}")
-    headroom = Q("headroom", 100.0 * (hbm_gb - peak_gb) / hbm_gb, "%", f"({hbm_gb:g} GB - peak {peak.text()}) / {hbm_gb:g} GB")
+    headroom = Q("headroom", 100.0 * (hbm_gb - peak_gb) / hbm_gb, "%",
+                 f"({hbm_gb:g} GB - peak {peak.text()}) / {hbm_gb:g} GB")
     return TrainerMemory(dp, expert_dp, weights, grads, dense_opt, expert_opt, other, resident, act, peak,
                          headroom, verdict(headroom.value, memory))

@@ -11,7 +11,9 @@ stops them, each a sentence `rlslurm submit`'s pre-flight repeats when the confi
   - colocation whose engine does not fit beside the training peak needs the training state moved to host
     RAM during rollout (the lecture's offload): the runtime does not do that yet (nothing moves trainer
     state to host RAM), so such an option is shown with its figures, marked `not runnable yet`, never chosen;
-  - a separate split whose engines' KV cache holds no sequence.
+  - a separate split whose engines' KV cache holds no sequence;
+  - a node asked for more GPUs than hardware.gpus_per_node: engines per rollout node, or colocated engines,
+    x rollout.tp (rlslurm/plan/gpus.py: every engine has GPUs of its own).
 A split with `not advised` headroom runs, but only when asked for by placement.rollout_nodes.
 """
 
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from rlslurm.plan.decode import KVCache, RolloutCapacity, capacity
+from rlslurm.plan.gpus import gpu_plan
 from rlslurm.plan.placement import Colocate
 from rlslurm.plan.quantity import Q
 from rlslurm.plan.splits import Split
@@ -147,6 +150,10 @@ def option(job: "JobConfig", placement: Placement, s: Split, method: SyncMethod,
                              "memory), and the plan places rollout separate: set placement.mode: colocate, or "
                              "sync.method: broadcast or disk"))
             not_yet = False
+    gpus = gpu_plan(job, placement, s.rollout_nodes).problems
+    if gpus:
+        blockers += [("more GPUs than a node has", p) for p in gpus]
+        not_yet = False
     step = StepSplit(method, placement, job.timing.rollout_s, reward_s, s.train_step.value, syncs[method].value,
                      offload_s)
     return Option(placement, s, step, tuple(b for _, b in blockers), tuple(r for r, _ in blockers), not_yet, cap)

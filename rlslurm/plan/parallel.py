@@ -95,14 +95,17 @@ def static_rules(parallel: ParallelConfig, layers: int, heads: int, kv_heads: in
                                f"{key} = {size} must divide hardware.gpus_per_node = {gpus_per_node} "
                                "(tensor parallelism stays inside a node's fast links)"))
     if heads % p.tp:
-        broken.append(Rule(("parallel.tp", "model.heads"), f"parallel.tp = {p.tp} does not divide model.heads = {heads}"))
+        broken.append(Rule(("parallel.tp", "model.heads"),
+                           f"parallel.tp = {p.tp} does not divide model.heads = {heads}"))
     if kv_heads % p.tp and p.tp % kv_heads:
         broken.append(Rule(("parallel.tp", "model.kv_heads"),
                            f"parallel.tp = {p.tp} and model.kv_heads = {kv_heads}: one must divide the other"))
     if layers % p.pp:
-        broken.append(Rule(("parallel.pp", "model.layers"), f"parallel.pp = {p.pp} does not divide model.layers = {layers}"))
+        broken.append(Rule(("parallel.pp", "model.layers"),
+                           f"parallel.pp = {p.pp} does not divide model.layers = {layers}"))
     if p.ep > 1 and experts and experts % p.ep:
-        broken.append(Rule(("parallel.ep", "model.experts"), f"parallel.ep = {p.ep} does not divide model.experts = {experts}"))
+        broken.append(Rule(("parallel.ep", "model.experts"),
+                           f"parallel.ep = {p.ep} does not divide model.experts = {experts}"))
     for key, size in (("parallel.ep", p.ep), ("parallel.etp", p.etp)):
         if size is not None and size > 1 and not experts:
             broken.append(Rule((key, "model.experts"), f"{key} = {size} needs an MoE model (model.experts = 0)"))

@@ -90,7 +90,8 @@ def colocate(all_gpus: TrainerMemory | None, hw: HardwareConfig, rollout: Rollou
     kv_gb = placement.colocate_min_seqs * rollout.max_seq_len * kv.per_token_per_gpu.value * 1024 / 1e9
     need = Q("engine needs", per_gpu + kv_gb + placement.engine_overhead_gb, "GB",
              f"weights {weights.text()} / rollout.tp {rollout.tp} + KV {placement.colocate_min_seqs} x "
-             f"{rollout.max_seq_len} tokens x {kv.per_token_per_gpu.text()} + overhead {placement.engine_overhead_gb:g} GB")
+             f"{rollout.max_seq_len} tokens x {kv.per_token_per_gpu.text()} "
+             f"+ overhead {placement.engine_overhead_gb:g} GB")
     fits = all_gpus.verdict != "OOM" and need.value <= free.value
     resident = all_gpus.resident
     link = hw.host_link_gb_s

@@ -15,6 +15,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from rlslurm.network import network_env
 from rlslurm.plan.checkpoint_interval import young_interval_s
 from rlslurm.plan.quantity import Q, num, params
 
@@ -47,8 +48,8 @@ def _memory_table(plan: Plan) -> Table:
         if mem is None:
             cells = ["-"] * 6
         else:
-            cells = [str(mem.dp), f"{mem.expert_dp:g}" if plan.counts.expert else "-", mem.expert_optimizer.text(), mem.resident.text(),
-                     mem.peak.text(), f"{mem.headroom_pct.value:.1f} %"]
+            cells = [str(mem.dp), f"{mem.expert_dp:g}" if plan.counts.expert else "-", mem.expert_optimizer.text(),
+                     mem.resident.text(), mem.peak.text(), f"{mem.headroom_pct.value:.1f} %"]
         verdict = s.verdict + ("  <- chosen" if s is plan.chosen else "")
         table.add_row(str(s.rollout_nodes), str(s.train_gpus), *cells, s.train_step.text(), verdict)
     return table
@@ -113,7 +114,8 @@ def _sections(plan: Plan, problems: list[str], explain: bool) -> list[Any]:
     out: list[Any] = [
         f"rlslurm plan: {job.job.name} ({job.job.kind}) on {hw.nodes} nodes x {hw.gpus_per_node} {hw.profile} "
         f"({hw.gpu_mem_gb:g} GB) = {hw.total_gpus} GPUs",
-        f"model {job.model.name}: {params(c.expert)} expert + {params(c.dense)} dense params, {params(c.active)} active; "
+        f"model {job.model.name}: {params(c.expert)} expert + {params(c.dense)} dense params, "
+        f"{params(c.active)} active; "
         f"TP {p.tp} PP {p.pp} CP {p.cp} EP {p.ep}, micro batch {p.micro_batch_size} x {p.seq_len} tokens, "
         f"recompute {job.memory.recompute}",
     ]
@@ -169,7 +171,7 @@ def _sections(plan: Plan, problems: list[str], explain: bool) -> list[Any]:
     if explain:
         _explain(lines, list(plan.syncs.values()) + [rw.serial, rw.concurrent, rw.used])
     out += ["\n".join(lines), _step_table(plan)]
-    lines = _choice(plan)
+    lines = _choice(plan) + [plan.gpus.text(), _network_line(job)]
     if explain:
         lines += _blockers(plan)
         _explain(lines, plan.recompute)
@@ -185,8 +187,8 @@ def _sections(plan: Plan, problems: list[str], explain: bool) -> list[Any]:
               if young > plan.checkpoint_cap_s else f"Young {ck.young_s:,.0f} s")
     lines += ["", f"checkpoint (C = {ckc.cost_s:g} s, MTBF {ckc.mtbf_h:g} h): "
                   f"{capped} = {ck.young_steps} train steps of {step:g} s; "
-                  f"Daly {ck.daly_s:,.0f} s = {ck.daly_steps} steps; = {max(1, round(ck.young_s / plan.rl_step_s.value))} "
-                  f"RL steps of {plan.rl_step_s.text()}"]
+                  f"Daly {ck.daly_s:,.0f} s = {ck.daly_steps} steps; "
+                  f"= {max(1, round(ck.young_s / plan.rl_step_s.value))} RL steps of {plan.rl_step_s.text()}"]
     if explain:
         lines.append(f"    Young = sqrt(2 x C {ckc.cost_s:g} s x MTBF {ckc.mtbf_h * 3600:g} s) = {ck.young_s:,.0f} s")
     lines += [""] + timeouts(plan).lines()
@@ -195,6 +197,14 @@ def _sections(plan: Plan, problems: list[str], explain: bool) -> list[Any]:
               else ["preflight: ok (rlslurm submit would run this split)"])
     out.append("\n".join(lines))
     return out
+
+
+def _network_line(job) -> str:
+    env = network_env(job.network)
+    if not env:
+        return "network environment: none set (network:), each library's defaults"
+    return ("network environment of every trainer rank, engine and the reward service: "
+            + " ".join(f"{k}={v}" for k, v in env.items()))
 
 
 def text(plan: Plan, problems: list[str], explain: bool) -> str:
@@ -256,11 +266,14 @@ def as_json(plan: Plan, problems: list[str]) -> str:
                    "faster_not_chosen": _option(faster) if faster is not None else None,
                    **({"fused_ce_peak_gb": round(plan.fused_ce_what_if.peak.value, 4)}
                       if plan.fused_ce_what_if is not None else {})},
+        "gpus": plan.gpus.as_dict(),
+        "network_env": network_env(job.network),
         "colocate": {"fits_without_offload": colo.fits_without_offload, "host_ram_fits": colo.host_ram_fits,
                      **_qs(colo.free_gb, colo.engine_need_gb, colo.offload_each_way_s, colo.offload_per_step_s,
                            colo.host_ram_per_node_gb)},
         "rollout": {**_qs(plan.weights, plan.kv.per_token, plan.kv.per_token_per_gpu, plan.roofline),
-                    "roofline_by_profile_tok_s_per_gpu": {n: round(q.value, 1) for n, q in plan.roofline_profiles.items()},
+                    "roofline_by_profile_tok_s_per_gpu": {n: round(q.value, 1)
+                                                          for n, q in plan.roofline_profiles.items()},
                     **({"engines": plan.rollout.engines,
                         **_qs(plan.rollout.kv_space_per_gpu, plan.rollout.tokens_per_engine, plan.rollout.seqs_total)}
                        if plan.rollout is not None else {})},
@@ -272,7 +285,8 @@ def as_json(plan: Plan, problems: list[str]) -> str:
                          for a in plan.amortisation],
         "checkpoint": {"young_s": round(plan.checkpoint.young_s, 2), "daly_s": round(plan.checkpoint.daly_s, 2),
                        "young_steps": plan.checkpoint.young_steps, "daly_steps": plan.checkpoint.daly_steps,
-                       "step_s": plan.checkpoint_step_s.value, "cap_s": plan.checkpoint_cap_s, "rl_step_s": round(plan.rl_step_s.value, 4)},
+                       "step_s": plan.checkpoint_step_s.value, "cap_s": plan.checkpoint_cap_s,
+                       "rl_step_s": round(plan.rl_step_s.value, 4)},
         "timeout_chain": timeouts(plan).as_json(),
         "warnings": plan.warnings,
         "preflight_problems": problems,

@@ -21,9 +21,10 @@ from rlslurm.config import JobConfig
 from rlslurm.modelspec import ParamCounts, param_counts
 from rlslurm.plan.checkpoint_interval import Interval, checkpoint_interval
 from rlslurm.plan.decode import KVCache, RolloutCapacity, kv_cache, roofline, roofline_by_profile, weights_gb
+from rlslurm.plan.gpus import GpuPlan, gpu_plan
 from rlslurm.plan.memory import TrainerMemory, trainer_memory
-from rlslurm.plan.parallel import Rule, static_rules
 from rlslurm.plan.options import PLACEMENTS, Option, Placement, all_options, option
+from rlslurm.plan.parallel import Rule, static_rules
 from rlslurm.plan.placement import Colocate, colocate, stated_placement
 from rlslurm.plan.quantity import Q
 from rlslurm.plan.recompute import MODES, forward_flops, recompute_factor, recompute_scale
@@ -81,6 +82,11 @@ class Plan:
         return self.option.rollout
 
     @property
+    def gpus(self) -> GpuPlan:
+        """GPUs per node and per task under the chosen placement (rlslurm/plan/gpus.py)."""
+        return gpu_plan(self.job, self.placement, self.chosen.rollout_nodes)
+
+    @property
     def chosen_step(self) -> StepSplit:
         """The step split of the chosen placement and sync method."""
         return self.option.step
@@ -98,7 +104,9 @@ class Plan:
         faster = [o for o in self.options if o is not chosen and o.step.total_s < chosen.step.total_s
                   and o.split.verdict != "OOM" and not (o.advised and o in allowed)]
         # The advised first (what the plan would take next), and among faster ones those that could run.
-        first = (lambda xs: min(xs, key=lambda o: (not o.runnable, not o.advised, o.step.total_s)) if xs else None)
+        def first(xs: list[Option]) -> Option | None:
+            return min(xs, key=lambda o: (not o.runnable, not o.advised, o.step.total_s)) if xs else None
+
         return first(others), first(faster)
 
     def excluded_by(self, o: Option) -> str | None:

@@ -13,10 +13,10 @@ Each response is its own POST /score (`submit`), or `reward.batch_size` share on
 RL controller hands over an engine's responses at once); at most `reward.concurrency` requests are in
 flight, each bounded by `reward.timeout_s`. A timeout, a connection error or an HTTP 5xx retries the
 request's items, an item answered `error` retries that item, `reward.retries` times after
-`retry_backoff_s`, 2x, 4x ... (so retries land on a service the supervisor has just restarted). A response still unscored then, or answered `unscored`, is degraded
-by `reward.degrade`: drop (no score, left out of the step), neutral (`neutral_score`), fail (the
-step raises RewardServiceError in `finish()`). A step whose degraded share passes
-`degraded_alert_ratio` writes a `reward_degraded` event.
+`retry_backoff_s`, 2x, 4x ... (so retries land on a service the supervisor has just restarted). A response
+still unscored then, or answered `unscored`, is degraded by `reward.degrade`: drop (no score, left out of
+the step), neutral (`neutral_score`), fail (the step raises RewardServiceError in `finish()`). A step whose
+degraded share passes `degraded_alert_ratio` writes a `reward_degraded` event.
 """
 
 from __future__ import annotations

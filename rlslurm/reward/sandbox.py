@@ -122,7 +122,8 @@ def _probe(mode: str) -> str | None:
     """Why `mode` does not work here, or None: one real execution of a program that prints "ok"."""
     if mode == "root" and os.geteuid() != 0:
         return "the service does not run as root"
-    missing = [tool for tool in ("unshare", "bwrap", "prlimit", "setpriv") if shutil.which(tool, path=SAFE_PATH) is None]
+    missing = [tool for tool in ("unshare", "bwrap", "prlimit", "setpriv")
+               if shutil.which(tool, path=SAFE_PATH) is None]
     if missing:
         return f"{', '.join(missing)} not on {SAFE_PATH} (Debian: util-linux, bubblewrap)"
     python = shutil.which("python3", path=SAFE_PATH)

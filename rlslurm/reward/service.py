@@ -258,7 +258,8 @@ def load_diag_config(path: str | Path | None) -> DiagConfig:
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind: the one the job's peers use.")
 @click.option("--secret-file", type=click.Path(dir_okay=False),
               help=f"The job's secret (<run>/secret); default: the file ${secret.ENV_VAR} names.")
-@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False), help="Job YAML; its reward: section.")
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
+              help="Job YAML; its reward: section.")
 @click.option("--scorer", type=click.Choice(["rule", "code", "model", "judge"]), help="Overrides reward.scorer.")
 @click.option("--endpoint", help="Overrides reward.endpoint.")
 @click.option("--concurrency", type=int, help="Overrides reward.concurrency.")

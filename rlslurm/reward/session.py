@@ -33,6 +33,7 @@ import math
 import os
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Callable
 
@@ -106,8 +107,9 @@ class RewardSession:
 
     @classmethod
     def open(cls, cfg: RewardConfig, run: RunDir, *, diag: DiagConfig | None = None,
-             component: bool = False) -> "RewardSession":
-        """`component`: the URL the reward het component announces; else a supervised service here."""
+             component: bool = False, env: Mapping[str, str] | None = None) -> "RewardSession":
+        """`component`: the URL the reward het component announces; else a supervised service here, started
+        with `env` added to its environment (the supervisor's)."""
         if component:
             job_id, restarts, started = lifecycle.leader_job_id(), lifecycle.restart_count(), time.monotonic()
             url = wait_for_url(run, cfg.start_timeout_s, job_id=job_id, restart_count=restarts)
@@ -115,7 +117,7 @@ class RewardSession:
             events.emit(run, events.REWARD_ENDPOINT, role="controller", url=url, job_id=job_id, restart_count=restarts,
                         waited_s=round(time.monotonic() - started, 3))
             return cls(cfg, run, url, None)
-        supervisor = RewardSupervisor(cfg, run=run, diag=diag)
+        supervisor = RewardSupervisor(cfg, run=run, diag=diag, env=env)
         supervisor.start()
         log.info("reward service (pid %d) at %s", supervisor.proc.pid, supervisor.url)
         return cls(cfg, run, supervisor.url, supervisor)
@@ -188,7 +190,8 @@ class StepScoring:
                 future.cancel()
                 raise RewardServiceError(
                     f"step {self.scores.step}: {self.scores.settled} of {self.submitted} responses scored after "
-                    f"{bound_s:.0f} s, past what reward.timeout_s, retries and concurrency allow; service {session.url}")
+                    f"{bound_s:.0f} s, past what reward.timeout_s, retries and concurrency allow; "
+                    f"service {session.url}")
         said = session.events.read()
         down = events.select(said, events.REWARD_SERVICE_DOWN)
         if down:

@@ -17,7 +17,8 @@ With a run directory the service wears the phase guard (heartbeats/reward-0.json
 requires the run's secret (<run>/secret; without a run, a secret file of its own beside its log, mode
 0600; `token` is what clients send). `bind` is the address the service listens on and `url` points at
 it: the node's address for the reward het component (its peers are on other nodes), loopback beside
-the controller.
+the controller. `env` is added to the service's environment at every (re)start: the job's network
+environment (rlslurm/network.py) and no GPU.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Callable
 
@@ -59,8 +61,10 @@ class RewardSupervisor:
 
     def __init__(self, cfg: RewardConfig, run: RunDir | None = None, log_dir: str | Path | None = None,
                  clock: Callable[[], float] = time.monotonic, bind: str = "127.0.0.1",
-                 diag: DiagConfig | None = None, secret_file: str | Path | None = None):
+                 diag: DiagConfig | None = None, secret_file: str | Path | None = None,
+                 env: Mapping[str, str] | None = None):
         self.cfg = cfg
+        self.env = dict(env or {})
         self.run = run
         self.clock = clock
         self.bind = bind
@@ -127,7 +131,8 @@ class RewardSupervisor:
                 "--secret-file", str(self.secret_file), "--config", str(self._config)]
         if self.run is not None:
             argv += ["--run-dir", str(self.run.path)]
-        self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env={**os.environ, **self.env})
         out.close()
         deadline = self.clock() + self.cfg.start_timeout_s
         log.info("waiting up to %.0f s for the reward service (pid %d) on %s", self.cfg.start_timeout_s,

@@ -62,7 +62,16 @@ def open_reward_session(job: JobConfig, layout: JobLayout, run: RunDir):
         return None
     from rlslurm.reward.session import RewardSession
 
-    return RewardSession.open(reward_config(job), run, diag=job.diag, component=layout.reward_from_component)
+    return RewardSession.open(reward_config(job), run, diag=job.diag, component=layout.reward_from_component,
+                              env=reward_env(job))
+
+
+def reward_env(job: JobConfig) -> dict[str, str]:
+    """What the reward service's launcher adds to its environment: the job's network environment, no GPU."""
+    from rlslurm.devices import CVD
+    from rlslurm.network import network_env
+
+    return {**network_env(job.network), CVD: ""}
 
 
 class Controller:

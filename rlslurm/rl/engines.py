@@ -22,9 +22,11 @@ import torch
 
 from rlslurm import events, lifecycle, secret
 from rlslurm.config import JobConfig
+from rlslurm.devices import CVD, spawned_engine_env, visible_gpus
 from rlslurm.dist import free_port
 from rlslurm.errors import RlslurmError
 from rlslurm.layout import JobLayout
+from rlslurm.network import network_env
 from rlslurm.node import node_name
 from rlslurm.rundir import RunDir
 
@@ -61,13 +63,16 @@ class Engines:
             for i in range(layout.engines):
                 port, log_path = free_port(), run.logs / f"engine-{i}.log"
                 self.identity[f"http://127.0.0.1:{port}"] = {"node": node, "log": str(log_path)}
+                # Its own GPUs (the layout's positions among rank 0's) and the job's network environment.
+                gpus = spawned_engine_env(layout, i)
                 try:
                     proc = spawn_engine(model_dir, port=port, log_path=log_path, secret_file=secret_file,
                                         extra_args=engine_args(job) + engine_limits(job),
                                         env={"RLSLURM_RUN_DIR": str(run.path), "RLSLURM_ROLE": "rollout",
                                              "RLSLURM_RANK": str(i),
                                              # the vLLM engine's share of a GPU (rollout/vllm_engine.py)
-                                             "RLSLURM_GPU_MEMORY_UTILIZATION": str(job.rollout.gpu_memory_utilization)},
+                                             "RLSLURM_GPU_MEMORY_UTILIZATION": str(job.rollout.gpu_memory_utilization),
+                                             **network_env(job.network), **gpus},
                                         timeout_s=job.rollout.request_timeout_s,
                                         engine=job.rollout.engine, python=job.rollout.python)
                 except EngineRequestError as e:
@@ -81,7 +86,8 @@ class Engines:
                 run.append_json(run.path / "placement.jsonl", {
                     "t": time.time(), "role": "rollout", "rank": i, "node": node,
                     "partition": os.environ.get("SLURM_JOB_PARTITION"), "job_id": lifecycle.leader_job_id(),
-                    "restart_count": lifecycle.restart_count(), "pid": proc.proc.pid, "colocated": True})
+                    "restart_count": lifecycle.restart_count(), "pid": proc.proc.pid, "colocated": True,
+                    "cuda_visible_devices": gpus[CVD], "gpus": visible_gpus(gpus)})
             self.clients = [p.client for p in self.processes]
 
     def drain(self, timeout_s: float) -> None:

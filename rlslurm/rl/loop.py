@@ -304,8 +304,8 @@ class Loop:
         if self.last_saved != self.step:
             self._save()
         if self.topo.is_main:
-            save_hf(self.policy.model, self.run_dir.path / "export" / "hf", max_new_tokens=self.job.rollout.max_new_tokens,
-                    tokenizer=self.policy.tokenizer)
+            save_hf(self.policy.model, self.run_dir.path / "export" / "hf",
+                    max_new_tokens=self.job.rollout.max_new_tokens, tokenizer=self.policy.tokenizer)
             events.emit(self.run_dir, events.DONE, step=self.step, policy_version=self.version,
                         held_out_accuracy=self.rl_state.get("eval_history", [[0, None]])[-1][1])
 

@@ -25,7 +25,7 @@ from rlslurm.diag.env_diff import write_fingerprint
 from rlslurm.dist import free_port
 from rlslurm.errors import RlslurmError
 from rlslurm.node import node_name
-from rlslurm.rl.controller import reward_config
+from rlslurm.rl.controller import reward_config, reward_env
 from rlslurm.rl.engines import engine_args, engine_limits
 from rlslurm.rundir import RunDir
 
@@ -114,7 +114,7 @@ def run_reward(job: JobConfig, run_dir: str | Path) -> int:
     run_ = RunDir(Path(run_dir))
     node = node_name()
     host = node_address(node)
-    with RewardSupervisor(reward_config(job), run=run_, bind=host, diag=job.diag) as sup:
+    with RewardSupervisor(reward_config(job), run=run_, bind=host, diag=job.diag, env=reward_env(job)) as sup:
         announce(run_, sup.url, node)
         log.info("reward service on %s, supervised", sup.url)
         while not stop.wait(1.0):

@@ -124,6 +124,7 @@ class Engine(abc.ABC):
 
     def close(self) -> None:
         """Release what the engine holds beyond this process (vLLM: its engine-core and worker processes)."""
+        return None  # an in-process engine (HFEngine) holds nothing beyond this process
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         """A host copy of the served weights, to roll back to if an update fails its verify."""

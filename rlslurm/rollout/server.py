@@ -322,7 +322,7 @@ def _error(status: int, message: str, headers: dict | None = None) -> JSONRespon
     return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status, headers=headers)
 
 
-def _openai_response(req: CompletionRequest, model: str, results: list) -> JSONResponse:
+def _openai_response(req: schema.CompletionRequest, model: str, results: list) -> JSONResponse:
     choices: list[dict[str, Any]] = []
     versions = set()
     prompt_tokens = completion_tokens = 0

@@ -6,13 +6,14 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from rlslurm.configfile import FieldError, check, check_name, check_path, check_range
+from rlslurm.configfile import FieldError, check, check_path, check_range
 
 
 @dataclass(frozen=True, kw_only=True)
 class ClusterConfig:
     backend: Literal["auto", "slurm", "local"] = "auto"
-    """slurm = a heterogeneous SLURM job; local = this machine via submitit's local executor; auto = slurm where sbatch exists."""
+    """slurm = a heterogeneous SLURM job; local = this machine via submitit's local executor; auto = slurm where
+    sbatch exists."""
     train_partition: str = "train"
     """Partition of het component 0 (trainer ranks + controller); a SLURM name (a comma list allowed)."""
     rollout_partition: str = "rollout"
@@ -28,7 +29,8 @@ class ClusterConfig:
     signal_before_s: int = 90
     """Seconds before the time limit that the pre-timeout signal arrives (--signal). Range [0, 86400]."""
     gres_per_node: str | None = None
-    """GRES asked per node, e.g. gpu:8; null = none (CPU)."""
+    """GRES asked per node by components 0 and 1, e.g. nvme:1; null = none. Not GPUs, unless hardware.profile
+    is cpu: a job on GPUs asks its own from the plan (--gpus-per-node per component; `rlslurm plan` shows them)."""
     extra_sbatch: list[str] = field(default_factory=list)
     """Further #SBATCH options for every component as --name=value or --flag, e.g. [--account=ml, --qos=high];
     not the ones rlslurm sets from other keys (--time, --partition, --gres, ...)."""
@@ -48,7 +50,7 @@ class ClusterConfig:
               f"must be less than cluster.time_limit_min x 60 = {self.time_limit_min * 60}")
         if self.gres_per_node is not None:
             check(bool(_GRES.fullmatch(self.gres_per_node)) and len(self.gres_per_node) <= 256, "gres_per_node",
-                  "must be a SLURM GRES list such as gpu:8 or gpu:a100:4 (letters, digits, ':', ',', '.', '_', '-')")
+                  "must be a SLURM GRES list such as gpu:8 or nvme:1 (letters, digits, ':', ',', '.', '_', '-')")
         check(len(self.extra_sbatch) <= 64, "extra_sbatch", f"holds {len(self.extra_sbatch)} options; at most 64")
         for i, option in enumerate(self.extra_sbatch):
             check_sbatch_option(option, f"extra_sbatch[{i}]")
@@ -66,6 +68,8 @@ OWNED_SBATCH = {
     "requeue": "rlslurm (every job requeues itself)", "no-requeue": "rlslurm (every job requeues itself)",
     "output": "rlslurm (logs go to the run directory)", "error": "rlslurm (logs go to the run directory)",
     "open-mode": "rlslurm (logs are appended across requeues)", "array": "rlslurm (one job per submit)",
+    **dict.fromkeys(("gpus", "gpus-per-node", "gpus-per-task", "gpu-bind"),
+                    "the plan's GPU placement (hardware.profile, hardware.gpus_per_node, rollout.tp)"),
 }
 """sbatch options rlslurm writes itself, and the key that sets each: in extra_sbatch they would override it
 (submitit lets additional parameters win) while the plan and the job still believe the key."""

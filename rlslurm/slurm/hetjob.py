@@ -78,7 +78,9 @@ class Component:
     mem_gb: float | None = None
     """Memory per node in GB; None = the partition's default."""
     gres: str | None = None
-    """GRES per node, e.g. gpu:8."""
+    """GRES per node other than GPUs, e.g. nvme:1."""
+    gpus_per_node: int | None = None
+    """GPUs per node (--gpus-per-node); None = none."""
     extra: dict[str, str | bool] = field(default_factory=dict)
     """Further sbatch options of this component, e.g. {"constraint": "h100"} (True = a bare flag)."""
 
@@ -97,6 +99,8 @@ class Component:
             opts["mem"] = submitit_slurm._convert_mem(self.mem_gb)
         if self.gres:
             opts["gres"] = self.gres
+        if self.gpus_per_node:
+            opts["gpus-per-node"] = self.gpus_per_node
         if time_min is not None:  # each component has its own limit; the same for all keeps them together
             opts["time"] = time_min
         opts.update(self.extra)
@@ -192,7 +196,8 @@ class HetSlurmExecutor(submitit_slurm.SlurmExecutor):
         lines[last + 1:last + 1] = extra
         text = "\n".join(lines)
         # The batch shell and component 0's tasks learn their group here (22.05 sets no SLURM_HET_JOB_OFFSET).
-        return text.replace("export SUBMITIT_EXECUTOR=slurm", f"export SUBMITIT_EXECUTOR=slurm\nexport {GROUP_ENV}=0", 1)
+        executor = "export SUBMITIT_EXECUTOR=slurm"
+        return text.replace(executor, f"{executor}\nexport {GROUP_ENV}=0", 1)
 
     def _submit_command(self, command: str) -> core.Job[tp.Any]:
         # submitit's own version runs sbatch through its CommandFunction; this one goes through the seam.
@@ -266,7 +271,7 @@ def components_from_env(env: tp.Mapping[str, str]) -> tuple[ComponentInfo, ...]:
         raise RlslurmError("not inside a heterogeneous SLURM job: SLURM_HET_SIZE is not set") from e
     out = []
     for g in range(size):
-        def get(name: str) -> str:
+        def get(name: str, g: int = g) -> str:
             key = f"SLURM_{name}_HET_GROUP_{g}"
             if key not in env:
                 raise RlslurmError(f"het job component {g}: {key} is not set")
@@ -328,7 +333,8 @@ class ComponentStep:
             except SlurmCommandError as e:  # e.g. the step is not up yet: srun's way below
                 log.warning("het group %d: scancel -s TERM %s failed (%s); signalling srun", self.group, self.job_id, e)
             except subprocess.TimeoutExpired:
-                log.warning("het group %d tasks still running %.0f s after SIGTERM: stopping srun", self.group, timeout_s)
+                log.warning("het group %d tasks still running %.0f s after SIGTERM: stopping srun",
+                            self.group, timeout_s)
         if self.proc.poll() is None:
             self.proc.terminate()
             try:

@@ -1,4 +1,4 @@
-"""A throwaway real Slurm cluster on this machine: munge + slurmctld + 5 slurmd, all state in one directory.
+"""A throwaway real Slurm cluster on this machine: munge + slurmctld + 7 slurmd, all state in one directory.
 
     python -m rlslurm.slurm.localcluster up --dir /tmp/slurm      # prints `export SLURM_CONF=...`
     eval "$(python -m rlslurm.slurm.localcluster up --dir /tmp/slurm)"
@@ -17,18 +17,27 @@ Layout (facts behind it: /work/shared/notes/slurm-local.md):
                          must land on distinct nodes, and a node shared with train/rollout let a 3-part
                          het job wait forever behind its own components.
     urgent     n[1-5]    PriorityTier=10: a job here preempts (REQUEUEs) jobs of the others; for tests
+    train-gpu  n6        4 CPUs and 4 GPUs each: GPU GRES (gres.conf File=) backed by placeholder devices,
+    rollout-gpu n7       character devices under <dir>/dev with /dev/null's numbers (slurmd 22.05 refuses a
+                         regular file: "is not a valid character or block device"). A job that asks for GPUs
+                         here gets CUDA_VISIBLE_DEVICES, SLURM_JOB_GPUS, SLURM_STEP_GPUS and --gpus-per-task
+                         binding as on a GPU cluster; n1-n5 have no GRES, so a test opts in by partition.
+
+Every task runs the cluster's TaskProlog, which prints `export NAME=value` lines from
+<dir>/node-env/<node> when that file exists (`set_node_env`): how a test gives one node an environment of its
+own, as a misconfigured node's own setup would (SLURM applies TaskProlog exports over what srun passed).
 
 Network: each node in a network namespace of its own, with its own address on a private bridge
-(rlslurm/slurm/netns.py: 10.A.B.11-15, A.B from the port base); slurmctld and munged stay in the root
+(rlslurm/slurm/netns.py: 10.A.B.11-17, A.B from the port base); slurmctld and munged stay in the root
 namespace, which the nodes reach at its own address. RLSLURM_LOCAL_NODE_NETWORK=0 puts every node on
 127.0.0.1 instead (the fallback where namespaces cannot be made).
 
 Ports: slurmctld `port_base` (16817 by default, or $RLSLURM_SLURM_PORT_BASE), slurmd port_base+184 ..
-+188; two clusters on one machine need two port bases (and two dirs). Job ids start at
++190; two clusters on one machine need two port bases (and two dirs). Job ids start at
 1 + 1000 * (port_base - 16817), so jobs of two clusters never derive the same rendezvous port.
 cred_expire=5 makes a requeued job restart after ~6 s instead of ~136 s. SlurmdTimeout=20: a node that stops
-answering (its link cut) is DOWN, and its jobs requeued off it, after ~20 s instead of 300. Accounting is off; finished jobs
-are in `jobcomp.txt` (read with `sacct -c`, see commands.sacct).
+answering (its link cut) is DOWN, and its jobs requeued off it, after ~20 s instead of 300. Accounting is off;
+finished jobs are in `jobcomp.txt` (read with `sacct -c`, see commands.sacct).
 """
 
 from __future__ import annotations
@@ -36,7 +45,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
+import shlex
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -50,11 +62,22 @@ from rlslurm.slurm.netns import NodeNetwork, host_address
 
 log = logging.getLogger("rlslurm.slurm.localcluster")
 
-NODES = ("n1", "n2", "n3", "n4", "n5")
+CPU_NODES = ("n1", "n2", "n3", "n4", "n5")
+GPU_NODES = ("n6", "n7")
+NODES = CPU_NODES + GPU_NODES
+GPUS_PER_NODE = 4
+"""Placeholder GPUs of each GPU node (and its CPUs: 2 engines of TP 2, or 4 trainer ranks, fit one)."""
 CTLD_PORT = 16817
-SLURMD_PORT_OFFSET = 184  # slurmd ports sit this far above slurmctld's (17001-17005 by default)
-PARTITIONS = {"train": "n[1-2]", "rollout": "n[3-4]", "cpu": "n5"}
+SLURMD_PORT_OFFSET = 184  # slurmd ports sit this far above slurmctld's (17001-17007 by default)
+PARTITIONS = {"train": "n[1-2]", "rollout": "n[3-4]", "cpu": "n5", "train-gpu": "n6", "rollout-gpu": "n7"}
 URGENT_PARTITION = "urgent"
+TASK_PROLOG = """\
+#!/bin/sh
+# Written by rlslurm.slurm.localcluster: a node's own environment for its tasks (LocalCluster.set_node_env).
+f={env_dir}/"$SLURMD_NODENAME"
+if [ -f "$f" ]; then cat "$f"; fi
+exit 0
+"""
 NODE_NETWORK_ENV = "RLSLURM_LOCAL_NODE_NETWORK"
 
 SLURM_CONF = """\
@@ -74,6 +97,8 @@ SlurmdPidFile={d}/slurmd-%n.pid
 SlurmctldLogFile={d}/slurmctld.log
 SlurmdLogFile={d}/slurmd-%n.log
 PlugStackConfig={d}/plugstack.conf
+TaskProlog={d}/task_prolog.sh
+GresTypes=gpu
 SlurmdParameters=config_overrides
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -124,24 +149,42 @@ class LocalCluster:
 
     def write_config(self) -> None:
         d = self.dir
-        for sub in ("state", "spool", *(f"spool/{n}" for n in NODES)):
+        for sub in ("state", "spool", "dev", "node-env", *(f"spool/{n}" for n in NODES)):
             (d / sub).mkdir(parents=True, exist_ok=True)
         (d / "plugstack.conf").write_text("")  # keep the system's SPANK plugins out of the test cluster
+        prolog = d / "task_prolog.sh"
+        prolog.write_text(TASK_PROLOG.format(env_dir=shlex.quote(str(d / "node-env"))))
+        prolog.chmod(0o755)
+        for i in range(GPUS_PER_NODE):  # placeholder GPUs: character devices with /dev/null's numbers
+            dev = d / "dev" / f"gpu{i}"
+            if not dev.exists():
+                os.mknod(dev, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+        (d / "gres.conf").write_text(f"NodeName=n[6-7] Name=gpu File={d}/dev/gpu[0-{GPUS_PER_NODE - 1}]\n")
         parts = "\n".join(f"PartitionName={p} Nodes={n} Default={'YES' if p == 'train' else 'NO'} "
                           f"PriorityTier=1 MaxTime=INFINITE State=UP" for p, n in PARTITIONS.items())
         first = self.port_base + SLURMD_PORT_OFFSET
         net = self.network()
-        if net is None:
-            ctld_host = "localhost"
-            nodes = (f"NodeName=n[1-5] NodeHostname=localhost NodeAddr=127.0.0.1 Port={first}-{first + len(NODES) - 1} "
-                     "CPUs=2 RealMemory=2000 State=UNKNOWN")
-        else:  # slurmctld stays in the root namespace; the nodes reach it at the host's own address
-            ctld_host = f"localhost({net.host})"
-            nodes = "\n".join(f"NodeName={n} NodeHostname=localhost NodeAddr={net.address(n)} Port={first + i} "
-                              "CPUs=2 RealMemory=2000 State=UNKNOWN" for i, n in enumerate(NODES))
+        # slurmctld stays in the root namespace; the nodes reach it at the host's own address
+        ctld_host = "localhost" if net is None else f"localhost({net.host})"
+        nodes = "\n".join(f"NodeName={n} NodeHostname=localhost NodeAddr={net.address(n) if net else '127.0.0.1'} "
+                           f"Port={first + i} {_resources(n)}" for i, n in enumerate(NODES))
         self.conf.write_text(SLURM_CONF.format(d=d, ctld_port=self.port_base, ctld_host=ctld_host, node_lines=nodes,
                                                first_job_id=1 + 1000 * (self.port_base - CTLD_PORT),
                                                partitions=parts, urgent=URGENT_PARTITION))
+
+    def set_node_env(self, node: str, env: dict[str, str]) -> None:
+        """Give every task that starts on `node` from now on these variables, over what srun passed (through
+        the TaskProlog): a node whose own setup differs from the others'. Values are single words."""
+        if node not in NODES:
+            raise SlurmCommandError(f"no node {node!r} in the local cluster ({', '.join(NODES)})")
+        for name, value in env.items():
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) or not re.fullmatch(r"[^\s'\"\\]+", value):
+                raise SlurmCommandError(f"set_node_env: {name}={value!r} is not NAME=word")
+        (self.dir / "node-env" / node).write_text("".join(f"export {k}={v}\n" for k, v in env.items()))
+
+    def clear_node_env(self, node: str) -> None:
+        """Undo set_node_env: the node's tasks get what srun passes again."""
+        (self.dir / "node-env" / node).unlink(missing_ok=True)
 
     def network(self) -> NodeNetwork | None:
         """The nodes' private network (None with node_network off); the same for every call of one cluster."""
@@ -266,6 +309,13 @@ class LocalCluster:
         return "\n".join(out)
 
 
+def _resources(node: str) -> str:
+    """slurm.conf's resources of a node: 2 CPUs, or 4 CPUs and 4 placeholder GPUs on the GPU nodes."""
+    if node in GPU_NODES:
+        return f"CPUs={GPUS_PER_NODE} RealMemory=2000 Gres=gpu:{GPUS_PER_NODE} State=UNKNOWN"
+    return "CPUs=2 RealMemory=2000 State=UNKNOWN"
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -303,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
         took_s = cluster.up(timeout_s=args.timeout_s)
         print(f"export SLURM_CONF={cluster.conf}")
         print(f"# local cluster up in {took_s:.1f} s; partitions: "
-              + ", ".join(f"{p}={n}" for p, n in {**PARTITIONS, URGENT_PARTITION: 'n[1-5]'}.items()), file=sys.stderr)
+              + ", ".join(f"{p}={n}" for p, n in {**PARTITIONS, URGENT_PARTITION: 'n[1-5]'}.items())
+              + f"; n6, n7: {GPUS_PER_NODE} placeholder GPUs each", file=sys.stderr)
     elif args.action == "down":
         stopped = cluster.down()
         print(f"stopped: {', '.join(stopped) or 'nothing was running'}", file=sys.stderr)

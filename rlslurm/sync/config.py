@@ -11,7 +11,8 @@ from rlslurm.configfile import check, check_path, check_range
 @dataclass(frozen=True, kw_only=True)
 class SyncConfig:
     method: Literal["auto", "disk", "broadcast", "ipc"] = "auto"
-    """disk = safetensors on the shared filesystem; broadcast = a process group; ipc = colocated handles; auto = from placement."""
+    """disk = safetensors on the shared filesystem; broadcast = a process group; ipc = colocated handles;
+    auto = from placement."""
     bucket_mb: float = 64.0
     """MB per bucket (broadcast, ipc): the unit that is pipelined (bucket i+1 is filled while bucket i is
     in flight); smaller buckets overlap more, larger ones mean fewer messages. A tensor larger than

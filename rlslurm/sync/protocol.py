@@ -31,8 +31,8 @@ from typing import Callable, Mapping, Protocol, Sequence
 
 import torch
 
-from rlslurm.errors import RlslurmError, SyncVerifyError
 from rlslurm import events
+from rlslurm.errors import RlslurmError, SyncVerifyError
 from rlslurm.rundir import RunDir
 from rlslurm.sync.buckets import Fault
 from rlslurm.sync.checksum import Checksum, checksums, compare, finish
@@ -117,14 +117,14 @@ class WeightSync:
             report.attempts = attempt + 1
             sums: dict[str, Checksum] | None = {} if cfg.verify and expected is None else None
             self._stage(report, "update",
-                        lambda: self.transport.send(tensors, self.engines, version, timeout_s, sums))
+                        lambda sums=sums: self.transport.send(tensors, self.engines, version, timeout_s, sums))
             if not cfg.verify:
                 break
             if expected is None:  # the trainer's side of the checksums: its last step, like the engines'
                 started = self.clock()
                 expected = self._expected(tensors, sums)
                 report.stages["update"].seconds += self.clock() - started
-            answers = self._stage(report, "verify", lambda: self._verify(expected, timeout_s))
+            answers = self._stage(report, "verify", lambda expected=expected: self._verify(expected, timeout_s))
             report.stages["verify"].bytes += nbytes * (len(self.engines) + 1)
             problems = [
                 {"engine": e.url, **p}

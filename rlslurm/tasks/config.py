@@ -6,7 +6,6 @@ import string
 from dataclasses import dataclass
 from typing import Literal
 
-
 from rlslurm.configfile import FieldError, check, check_range, check_text
 
 
@@ -68,4 +67,5 @@ class TaskConfig:
         try:
             self.chat_question.format(a=1, op="+", b=2)
         except (KeyError, IndexError, ValueError) as e:
-            raise FieldError("chat_question", f"may name only {{a}}, {{op}} and {{b}} ({type(e).__name__}: {e})") from None
+            raise FieldError("chat_question",
+                             f"may name only {{a}}, {{op}} and {{b}} ({type(e).__name__}: {e})") from None

@@ -2,7 +2,8 @@
 
     fmt = PromptFormat(job.task, tokenizer)      # the tokenizer of the model the engines serve
     fmt.text("12+7=")      # what the engine is sent: the prompt itself, or the model's chat template around
-                           # task.chat_question ("<|im_start|>user\\nWhat is 12 + 7? ...<|im_end|>\\n<|im_start|>assistant\\n")
+                           # task.chat_question
+                           # ("<|im_start|>user\\nWhat is 12 + 7? ...<|im_end|>\\n<|im_start|>assistant\\n")
     fmt.encode("12+7=")    # its token ids, as the trainer scores them (the engine encodes the same text alike)
     fmt.score(problem, response), fmt.answer_text(response)
 

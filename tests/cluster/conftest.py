@@ -25,7 +25,6 @@ from rlslurm.errors import RlslurmError
 from rlslurm.slurm.localcluster import LocalCluster
 
 
-
 @dataclass
 class ClusterHandle:
     cluster: LocalCluster

@@ -166,7 +166,8 @@ def test_diag_keeps_slurms_reports_of_a_failed_het_job_and_reads_its_state(slurm
     texts, state = slurm_facts(job_id)
     assert state == "FAILED", texts
     assert texts["scontrol-show-job.txt"].startswith(f"$ scontrol show job {job_id}\n# exit 0\n"), texts
-    assert "Reason=NonZeroExitCode" in texts["scontrol-show-job.txt"] and "ExitCode=3:0" in texts["scontrol-show-job.txt"]
+    shown = texts["scontrol-show-job.txt"]
+    assert "Reason=NonZeroExitCode" in shown and "ExitCode=3:0" in shown
     assert "# exit 1\n" in texts["sacct.txt"] and "accounting storage is disabled" in texts["sacct.txt"], texts
     assert texts["sacct-c.txt"].startswith("$ sacct -c --parsable2"), texts
     missing, none = slurm_facts("999999")  # unknown to every source: evidence, not an exception

@@ -13,7 +13,6 @@ address on a private bridge (rlslurm/slurm/netns.py), so the roles must bind and
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,9 +20,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+import spine_util as su
 from rlslurm.cli.main import cli
 from rlslurm.slurm import commands
-import spine_util as su
 from spine_util import STEPS
 from waiting import wait_for
 

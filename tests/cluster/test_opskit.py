@@ -32,12 +32,12 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+import spine_util as su
 from rlslurm.checkpoint import step_dirname
 from rlslurm.cli.main import cli
 from rlslurm.diag.env_diff import compare, read_fingerprints
 from rlslurm.jobs.toytrain import ECHO_ENV, FAIL_ENV, STALL_ENV
 from rlslurm.rundir import RunDir
-import spine_util as su
 from spine_util import INTERVAL, STEPS
 
 pytestmark = pytest.mark.cluster

@@ -26,13 +26,13 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+import spine_util as su
 from rlslurm import launch
 from rlslurm.checkpoint import PAUSE_ENV, latest_complete, step_dirname
 from rlslurm.cli.main import cli
 from rlslurm.config import load_config
 from rlslurm.rundir import RunDir, read_jsonl
 from rlslurm.slurm import commands
-import spine_util as su
 
 pytestmark = pytest.mark.cluster
 
@@ -252,7 +252,7 @@ def test_drain_mid_rl_requeues_and_resumes_same_step_version_and_trajectory(slur
         assert drained["requeued"] == "by SLURM (SIGTERM)" and not su.events(run, "requeue")
         # SLURM stops the engines itself; a step that lost its engine is given up or keeps its training.
         assert engines["engines"] == {} and "SIGTERM" in engines["reason"]
-        lost = [e["step"] for e in su.events(run, "step_abandoned")] + [e["step"] for e in su.events(run, "sync_skipped")]
+        lost = [e["step"] for kind in ("step_abandoned", "sync_skipped") for e in su.events(run, kind)]
         assert lost in ([], [step]), lost
         assert len(su.events(run, "sync_failed")) == len(su.events(run, "sync_skipped"))
         requeued_at = asked_at

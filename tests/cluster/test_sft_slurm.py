@@ -80,7 +80,8 @@ def test_sft_requeued_by_slurm_resumes_and_ends_like_the_run_off_slurm(slurm_clu
     assert drained["signal"] == "SIGTERM" and drained["requeued"] == "by SLURM (SIGTERM)"
     assert 15 <= drained["step"] < STEPS and drained["checkpoint"] == step_dirname(drained["step"])
     (resume,) = su.events(sub.run_dir, "resume")
-    assert (resume["step"], resume["checkpoint"], resume["restart_count"]) == (drained["step"], drained["checkpoint"], 1)
+    got = (resume["step"], resume["checkpoint"], resume["restart_count"])
+    assert got == (drained["step"], drained["checkpoint"], 1)
     assert commands.show_job(sub.job_id)[0]["Restarts"] == "1"
     assert sft_losses(sub.run_dir) == sft_losses(ref.run_dir)
     assert sorted(sft_losses(sub.run_dir)) == list(range(1, STEPS + 1))

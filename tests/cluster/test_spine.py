@@ -22,13 +22,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+import spine_util as su
 from rlslurm import launch
 from rlslurm.checkpoint import latest_complete, step_dirname
 from rlslurm.cli.main import cli
 from rlslurm.rundir import RunDir, find_run, read_jsonl
 from rlslurm.slurm import commands
 from rlslurm.status import follow
-import spine_util as su
 from spine_util import INTERVAL, STEPS
 
 pytestmark = pytest.mark.cluster

@@ -13,14 +13,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-from rollout_fixtures import save_model, start_engine, tiny_llama, weights
-from waiting import wait_for
 
 from rlslurm.rollout.engine import HFEngine
 from rlslurm.rollout.server import EngineServer, build_app
 from rlslurm.secret import bearer
 from rlslurm.sync.checksum import checksums
 from rlslurm.sync.disk import write_weights
+from rollout_fixtures import save_model, start_engine, tiny_llama, weights
+from waiting import wait_for
 
 LIMITS = ("--max-n", "4", "--max-tokens", "64", "--max-prompts", "3", "--max-batch-rows", "8",
           "--max-prompt-tokens", "120", "--max-body-mb", "0.05")

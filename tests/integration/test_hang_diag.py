@@ -142,7 +142,8 @@ def test_hung_run_names_the_collective_and_the_stuck_rank(tmp_path):
         with open(run.logs / "train-0.log", "a") as f:  # the log of rank 0 carries a planted secret too
             f.write(f"token {HF} password={PASSWORD}\n")
         write_fp = [sys.executable, "-c", "import sys; from pathlib import Path; from rlslurm.rundir import RunDir; "
-                    "from rlslurm.diag.env_diff import write_fingerprint; write_fingerprint(RunDir(Path(sys.argv[1])), 'train', 0)",
+                    "from rlslurm.diag.env_diff import write_fingerprint; "
+                    "write_fingerprint(RunDir(Path(sys.argv[1])), 'train', 0)",
                     str(run.path)]
         subprocess.run(write_fp, check=True, env={**os.environ, "TORCH_HUB_TOKEN": HF})
         dog = Watchdog(run, DiagConfig(heartbeat_interval_s=0.2, hang_timeout_s=3, watch_interval_s=0.25,

@@ -35,7 +35,8 @@ def hostile_programs(port: int, target: str, service_pid: int) -> dict[str, tupl
         "network": (f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\n",
                     r"Network is unreachable"),
         "write_outside": (f"open({target!r}, 'w').write('escaped')\n", r"FileNotFoundError|PermissionError"),
-        "kill_parent": (f"import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nos.kill({service_pid}, signal.SIGKILL)\n",
+        "kill_parent": ("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n"
+                        f"os.kill({service_pid}, signal.SIGKILL)\n",
                         r"ProcessLookupError|PermissionError"),
         "stdout_flood": ("import sys\nline = 'x' * 2**20\nwhile True:\n    sys.stdout.write(line)\n",
                          r"printed more than 16 KiB"),
@@ -86,7 +87,8 @@ def test_an_early_exit_zero_is_not_a_pass(service):
     http = httpx.Client(base_url=service.url, timeout=120, headers=bearer(service.token))
     failing = "assert add(2, 3) == 5"
     items = [{"id": "os_exit", "response": "import os\ndef add(a, b):\n    return 0\nos._exit(0)\n", "tests": failing},
-             {"id": "sys_exit", "response": "import sys\ndef add(a, b):\n    return 0\nsys.exit(0)\n", "tests": failing},
+             {"id": "sys_exit", "response": "import sys\ndef add(a, b):\n    return 0\nsys.exit(0)\n",
+              "tests": failing},
              {"id": "prints_ok", "response": "def add(a, b):\n    return 0\nprint('ok')\nraise SystemExit\n",
               "tests": failing},
              {"id": "honest", "response": "def add(a, b):\n    return a + b\nprint('done')\n", "tests": failing}]

@@ -25,7 +25,8 @@ from rlslurm.secret import bearer
 @pytest.fixture(scope="module")
 def judge():
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "rlslurm.reward.judge_stub", "--port", str(port), "--latency-s", "0.2"])
+    proc = subprocess.Popen([sys.executable, "-m", "rlslurm.reward.judge_stub", "--port", str(port),
+                             "--latency-s", "0.2"])
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     while True:

@@ -1,7 +1,7 @@
-"""The RL checkpoint (rlslurm/rl/checkpointing.py) with an optimizer sharded over ranks (what Megatron's distributed optimizer
-is), on two real gloo ranks and the real torch Policy: each rank writes its shard of Adam's moments into
-rank 0's temp dir, the manifest covers every shard, and a fresh policy that loads the checkpoint takes
-the next step exactly as the one that never stopped.
+"""The RL checkpoint (rlslurm/rl/checkpointing.py) with an optimizer sharded over ranks (what Megatron's
+distributed optimizer is), on two real gloo ranks and the real torch Policy: each rank writes its shard of
+Adam's moments into rank 0's temp dir, the manifest covers every shard, and a fresh policy that loads the
+checkpoint takes the next step exactly as the one that never stopped.
 
 The sharding here is the test's own (`_ShardedAdam`: rank r keeps the moments of parameters r, r + 2,
 ...), because Megatron's optimizer needs CUDA; its shards go through the same `save_shards` /
@@ -64,7 +64,7 @@ def _digest(policy: Policy) -> str:
     for name, t in sorted(policy.model.state_dict().items()):
         h.update(name.encode())
         h.update(t.detach().contiguous().numpy().tobytes())
-    for i, s in sorted(policy.optimizer.adam.state_dict()["state"].items()):
+    for _, s in sorted(policy.optimizer.adam.state_dict()["state"].items()):
         for key in ("exp_avg", "exp_avg_sq"):
             h.update(s[key].contiguous().numpy().tobytes())
     return h.hexdigest()

@@ -18,8 +18,9 @@ EXAMPLE = ROOT / "examples" / "tiny-grpo.yaml"
 
 
 def test_two_engines_are_asked_at_once_and_every_prompt_is_answered(tmp_path):
-    job = load_config(EXAMPLE, ("rollout.engines=2", "train.steps=3", "rl.prompts_per_step=32", "rollout.max_new_tokens=16", "rl.eval_every=100",
-                                "task.eval_size=64", "checkpoint.interval_steps=1000", "reward.service=local"))
+    job = load_config(EXAMPLE, ("rollout.engines=2", "train.steps=3", "rl.prompts_per_step=32",
+                                "rollout.max_new_tokens=16", "rl.eval_every=100", "task.eval_size=64",
+                                "checkpoint.interval_steps=1000", "reward.service=local"))
     sub = launch.submit(job, config_text=EXAMPLE.read_text(), backend="local", run_root=tmp_path)
     results = launch.wait(sub, timeout_s=240, poll_s=0.2)
     assert [int(code) for code in results] == [0] * len(results), f"ended {results}; see {sub.run_dir}"

@@ -7,12 +7,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-from rollout_fixtures import PROMPTS, greedy_tokens, save_model, served_tokens, start_engine, tiny_llama, weights
 
 from rlslurm.rollout.client import EngineRequestError
 from rlslurm.rollout.engine import HFEngine
 from rlslurm.sync.checksum import checksums
 from rlslurm.sync.disk import write_weights
+from rollout_fixtures import PROMPTS, greedy_tokens, save_model, served_tokens, start_engine, tiny_llama, weights
 
 
 @pytest.fixture(scope="module")

@@ -226,7 +226,8 @@ def hostile_programs(ctx: HostContext, sandbox: Sandbox) -> dict[str, Hostile]:
             if pid == 0:
                 os._exit(7)
             results.append(f"fork {os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])}")
-            results.append(subprocess.run(["/usr/bin/echo", "subprocess"], capture_output=True, text=True).stdout.strip())
+            echoed = subprocess.run(["/usr/bin/echo", "subprocess"], capture_output=True, text=True)
+            results.append(echoed.stdout.strip())
             with multiprocessing.Pool(2) as pool:
                 results.append(f"pool {sum(pool.map(abs, [-1, -2, -3]))}")
             with tempfile.NamedTemporaryFile() as f:

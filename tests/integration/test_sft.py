@@ -18,9 +18,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlslurm.config import load_config
 from rlslurm.evaluate import greedy_accuracy
+from rlslurm.events import read_events
 from rlslurm.jobs.sft import batch_indices, weights_sha256
 from rlslurm.rundir import RunDir, read_jsonl
-from rlslurm.events import read_events
 from rlslurm.tasks.arithmetic import make_splits
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,7 +58,7 @@ def sft_run(tmp_path_factory) -> dict:
             log.close()
     wall_s = time.monotonic() - started
     logs = [(run_dir.parent / f"rank{r}.log").read_text() for r in range(WORLD)]
-    assert codes == [0] * WORLD, f"exit codes {codes}; rank logs:\n" + "\n---\n".join(l[-3000:] for l in logs)
+    assert codes == [0] * WORLD, f"exit codes {codes}; rank logs:\n" + "\n---\n".join(log[-3000:] for log in logs)
     print(f"\nSFT on {WORLD} gloo ranks: {wall_s:.1f} s wall")
     return {"run": RunDir(run_dir), "wall_s": wall_s, "job": load_config(EXAMPLE)}
 

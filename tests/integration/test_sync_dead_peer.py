@@ -6,11 +6,11 @@ from __future__ import annotations
 import time
 
 import pytest
-from rollout_fixtures import save_model, start_engine, tiny_llama, weights
 
 from rlslurm.sync.broadcast import BroadcastTransport
 from rlslurm.sync.config import SyncConfig
 from rlslurm.sync.protocol import SyncStageError, WeightSync
+from rollout_fixtures import save_model, start_engine, tiny_llama, weights
 
 TIMEOUT_S = 10.0
 

@@ -10,7 +10,6 @@ GB/s figures are printed for the README and the planner's calibration, not gated
 from __future__ import annotations
 
 import pytest
-from rollout_fixtures import PROMPTS, greedy_tokens, save_model, served_tokens, start_engine, tiny_llama, weights
 
 from rlslurm.rollout.engine import HFEngine
 from rlslurm.sync.broadcast import BroadcastTransport
@@ -18,6 +17,7 @@ from rlslurm.sync.config import SyncConfig
 from rlslurm.sync.disk import DiskTransport
 from rlslurm.sync.ipc import IpcTransport
 from rlslurm.sync.protocol import WeightSync
+from rollout_fixtures import PROMPTS, greedy_tokens, save_model, served_tokens, start_engine, tiny_llama, weights
 
 SIZES = {"tiny": dict(hidden=32, layers=2), "100MB": dict(hidden=512, layers=11)}
 

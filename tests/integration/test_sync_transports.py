@@ -8,7 +8,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from rollout_fixtures import PROMPTS, greedy_tokens, save_model, served_tokens, start_engine, tiny_llama, weights
 
 from rlslurm.errors import SyncVerifyError
 from rlslurm.events import read_events
@@ -22,6 +21,7 @@ from rlslurm.sync.config import SyncConfig
 from rlslurm.sync.disk import DiskTransport
 from rlslurm.sync.ipc import IpcTransport
 from rlslurm.sync.protocol import WeightSync
+from rollout_fixtures import PROMPTS, greedy_tokens, save_model, served_tokens, start_engine, tiny_llama, weights
 
 TRANSPORTS = ["disk", "broadcast", "ipc"]
 SEEDS = (0, 1, 2)

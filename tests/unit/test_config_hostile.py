@@ -25,8 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 from click.testing import CliRunner
-from hypothesis import HealthCheck, event, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 from rlslurm import launch
 from rlslurm.cli.main import cli
@@ -153,7 +152,7 @@ def mutated_file(draw) -> bytes:
         text += "\n" + draw(st.sampled_from(lines or ["job: {}"])) + "\n"
     elif op == "alias":
         section = draw(st.sampled_from(["rl", "train", "cluster", "reward"]))
-        text = text.replace(f"\n{section}:", f"\n{section}: &s", 1) + f"\nextra: *s\n"
+        text = text.replace(f"\n{section}:", f"\n{section}: &s", 1) + "\nextra: *s\n"
     elif op == "bomb":
         text += _bomb(draw(st.integers(2, 10)))
     elif op == "deep":

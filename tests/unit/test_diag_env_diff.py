@@ -76,7 +76,8 @@ def test_envdiff_command_on_two_files_and_a_run_dir(run):
 
 
 def test_rl_controller_refuses_a_torch_difference_before_a_broadcast_sync(run):
-    """rlslurm/rl/controller.py Controller.check_env, the check the RL job runs before its first sync, on planted files."""
+    """rlslurm/rl/controller.py Controller.check_env, the check the RL job runs before its first sync, on planted
+    files."""
     from types import SimpleNamespace
 
     from rlslurm.events import read_events

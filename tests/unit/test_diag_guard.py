@@ -104,7 +104,7 @@ def test_exception_in_a_phase_is_recorded_with_traceback_and_reraised(run):
         with guard:
             with guard.phase("step", step=7):
                 with guard.phase("train", step=7):
-                    1 / 0
+                    _ = 1 / 0
     (event,) = read_events(run, "phase_failed")  # once, at the innermost phase
     assert event["phase"] == "train" and event["step"] == 7 and event["rank"] == 1
     assert "ZeroDivisionError" in event["traceback"] and "Traceback" in event["traceback"]

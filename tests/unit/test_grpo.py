@@ -1,4 +1,5 @@
-"""GRPO's pieces (rlslurm/rl/experience.py, rlslurm/rl/policy.py): group advantages, the samples they are attached to, and one real update.
+"""GRPO's pieces (rlslurm/rl/experience.py, rlslurm/rl/policy.py): group advantages, the samples they are
+attached to, and one real update.
 
     python -m pytest -q tests/unit/test_grpo.py      # ~5 s on 2 cores
 

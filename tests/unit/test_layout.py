@@ -99,8 +99,8 @@ def test_auto_is_resolved_in_one_place():
 
 # Where the raw `placement.mode` / `sync.method` may be read: the planner, the config's own validation, and
 # the plan's printout of what the user asked for. Every process of a job reads rlslurm/layout.py instead.
-RAW_READERS = {"rlslurm/plan/report.py", "rlslurm/plan/placement.py", "rlslurm/plan/render.py", "rlslurm/sync/config.py",
-               "rlslurm/config.py", "rlslurm/config_rules.py"}
+RAW_READERS = {"rlslurm/plan/report.py", "rlslurm/plan/placement.py", "rlslurm/plan/render.py",
+               "rlslurm/sync/config.py", "rlslurm/config.py", "rlslurm/config_rules.py"}
 
 
 def _raw_reads(path: Path) -> list[int]:

@@ -14,8 +14,16 @@ import torch
 from safetensors.torch import load_file
 
 from rlslurm.errors import ConfigError
-from rlslurm.megatron.convert import (Layout, buckets, fuse_qkv, hf_config, hf_to_megatron, megatron_to_hf,
-                                      rank_state_dict, split_qkv)
+from rlslurm.megatron.convert import (
+    Layout,
+    buckets,
+    fuse_qkv,
+    hf_config,
+    hf_to_megatron,
+    megatron_to_hf,
+    rank_state_dict,
+    split_qkv,
+)
 from rlslurm.modelspec import ModelConfig
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -45,7 +53,8 @@ CASES = [("dense", DENSE, Layout(tp=tp, pp=pp)) for tp in (1, 2) for pp in (1, 2
     ("moe", MOE, Layout(tp=tp, pp=pp, ep=ep)) for tp in (1, 2) for pp in (1, 2) for ep in (1, 2, 4)]
 
 
-@pytest.mark.parametrize("kind,model,layout", CASES, ids=[f"{k}-tp{l.tp}-pp{l.pp}-ep{l.ep}" for k, _, l in CASES])
+@pytest.mark.parametrize("kind,model,layout", CASES,
+                         ids=[f"{k}-tp{lay.tp}-pp{lay.pp}-ep{lay.ep}" for k, _, lay in CASES])
 def test_round_trip_is_bitwise(checkpoints, kind, model, layout):
     hf = checkpoints[kind]
     shards = hf_to_megatron(hf, model, layout)

@@ -30,7 +30,8 @@ LECTURE = ROOT / "examples" / "lecture-h20.yaml"
 DENSE_1B = """
 job: {name: dense-1b, kind: rl}
 hardware: {profile: h100-80g, nodes: 2, gpus_per_node: 8}
-model: {name: dense-1b, layers: 16, hidden: 2048, heads: 16, kv_heads: 8, ffn_hidden: 8192, vocab: 32000, max_positions: 4096}
+model: {name: dense-1b, layers: 16, hidden: 2048, heads: 16, kv_heads: 8, ffn_hidden: 8192, vocab: 32000,
+        max_positions: 4096}
 parallel: {seq_len: 4096, micro_batch_size: 1}
 memory: {recompute: selective}
 placement: {mode: auto}
@@ -69,7 +70,8 @@ def test_colocation_that_fits_and_is_faster_is_chosen_with_both_step_times(tmp_p
     assert code == 0, out
     assert re.search(r"colocate +0 +ipc .* 2\.02 .* ok  <- chosen", out), out
     assert re.search(r"separate +1 +broadcast .* 3\.11 .* ok", out), out
-    assert "chosen: colocate, ipc sync, 16 training GPUs: 2.02 s/step, the fastest allowed option the job can run" in out
+    assert ("chosen: colocate, ipc sync, 16 training GPUs: 2.02 s/step, "
+            "the fastest allowed option the job can run") in out
     assert "next: separate, 1 rollout node(s), broadcast sync: 3.11 s/step (+1.09 s, +53.7 %)" in out
     data = json.loads(render_json(plan))
     assert data["chosen"]["step_s"] == pytest.approx(2.02, abs=0.005)

@@ -6,8 +6,7 @@ import json
 import re
 
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from rlslurm.config import JobConfig
 from rlslurm.configfile import FieldError
@@ -39,7 +38,8 @@ def jobs(draw) -> JobConfig:
                                     nodes=nodes, gpus_per_node=gpus_per_node),
             memory=MemoryConfig(activation_gb=draw(st.one_of(st.none(), st.floats(1, 60))),
                                 logits_gb=draw(st.one_of(st.none(), st.floats(0, 10))),
-                                fused_ce=draw(st.booleans()), recompute=draw(st.sampled_from(["none", "selective", "full"]))),
+                                fused_ce=draw(st.booleans()),
+                                recompute=draw(st.sampled_from(["none", "selective", "full"]))),
             placement=PlacementConfig(mode=mode, offload=draw(st.booleans()),
                                       rollout_nodes=draw(st.one_of(st.none(), st.integers(0, nodes - 1)))),
             rollout=RolloutConfig(tp=draw(st.sampled_from([1, 2]))),

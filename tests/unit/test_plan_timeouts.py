@@ -78,7 +78,7 @@ def test_the_lecture_prints_its_chain_led_by_the_values():
                  "ok      902.8 s drain + checkpoint.cost_s fits in 1,200 s cluster.signal_before_s",
                  "ok      120 s rollout.request_timeout_s fires before 300 s diag.hang_timeout_s",
                  "note    490 s checkpoint.cost_s does NOT fit in 30 s checkpoint.kill_wait_s: on SIGTERM"):
-        assert any(l.strip().startswith(line) for l in chain), (line, chain)
+        assert any(row.strip().startswith(line) for row in chain), (line, chain)
     assert "preflight: ok" in out
     data = json.loads(render_json(build_plan(load_config(LECTURE))))["timeout_chain"]
     assert data["timeouts_s"]["train.dist_timeout_s"] == 1800 and all(

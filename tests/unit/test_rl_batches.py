@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from rlslurm.rl.batches import micro_batch_counts, micro_batches, mini_batches, share_sizes, split_sizes
 

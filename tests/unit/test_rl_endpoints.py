@@ -17,11 +17,11 @@ import torch
 
 from rlslurm.config import JobConfig
 from rlslurm.errors import RewardServiceError, RlslurmError
+from rlslurm.reward.session import announce, wait_for_url
 from rlslurm.rl.controller import sync_host
 from rlslurm.rl.engines import engine_args, wait_for_endpoints
-from rlslurm.rl.loop import _degraded_by_slurm_stop
-from rlslurm.reward.session import announce, wait_for_url
 from rlslurm.rl.experience import Experience
+from rlslurm.rl.loop import _degraded_by_slurm_stop
 from rlslurm.rundir import RunDir
 
 

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from rlslurm.errors import RlslurmError, StalenessError
-from rlslurm.rl.policy import Policy
 from rlslurm.rl.experience import Experience, GroupAssembler, Sample, build_samples, group_advantages
 from rlslurm.rl.pipeline import ExperiencePipeline, ProducerGuard, stamp_staleness
+from rlslurm.rl.policy import Policy
 from rlslurm.tasks.arithmetic import Problem
 from rlslurm.tokenizer import build_tokenizer
 

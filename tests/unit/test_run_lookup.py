@@ -26,7 +26,8 @@ def make_run(root: Path, name: str, *, submitted: list[tuple[float, str]] = (), 
     for t, job_id in started:
         run.append_json(run.jobs, {"t": t, "job_id": job_id, "restart_count": 0, "step": 0})
     for t, leader, own in placed:
-        run.append_json(run.path / "placement.jsonl", {"t": t, "role": "rollout", "job_id": leader, "slurm_job_id": own})
+        run.append_json(run.path / "placement.jsonl",
+                        {"t": t, "role": "rollout", "job_id": leader, "slurm_job_id": own})
     return run
 
 

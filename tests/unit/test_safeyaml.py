@@ -48,7 +48,8 @@ HOSTILE = [
     ("many-values", ("a: [" + ", ".join(["1"] * (MAX_NODES + 10)) + "]\n").encode()[:MAX_BYTES],
      [f"more than {MAX_NODES:,} values"]),
     ("syntax", b"rl: {clip_eps: 0.2\n", ["invalid YAML at line"]),
-    ("python-tag", b"job: !!python/object/apply:os.system ['true']\n", ["invalid YAML", "could not determine a constructor"]),
+    ("python-tag", b"job: !!python/object/apply:os.system ['true']\n",
+     ["invalid YAML", "could not determine a constructor"]),
 ]
 
 

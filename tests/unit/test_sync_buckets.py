@@ -6,8 +6,7 @@ from __future__ import annotations
 import torch
 from hypothesis import given, settings, strategies as st
 
-from rlslurm.sync.buckets import (Fault, bucket_nbytes, flatten_into, manifest_of, plan_buckets,
-                                  unflatten)
+from rlslurm.sync.buckets import Fault, bucket_nbytes, flatten_into, manifest_of, plan_buckets, unflatten
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int8, torch.float16, torch.int64]
 

@@ -9,8 +9,15 @@ from transformers import AutoTokenizer
 
 from rlslurm.config import load_config
 from rlslurm.errors import ConfigError
-from rlslurm.tasks.arithmetic import (Problem, all_problems, make_splits, parse_answer, parse_answer_lenient,
-                                      parse_prompt, score)
+from rlslurm.tasks.arithmetic import (
+    Problem,
+    all_problems,
+    make_splits,
+    parse_answer,
+    parse_answer_lenient,
+    parse_prompt,
+    score,
+)
 from rlslurm.tasks.config import TaskConfig, distinct_problems
 from rlslurm.tokenizer import EOS, VOCAB, build_tokenizer, save_tokenizer
 
@@ -70,7 +77,8 @@ def test_parse_prompt_inverts_the_prompt_format():
 def test_chat_question_may_name_only_the_problems_fields(tmp_path: Path):
     path = tmp_path / "job.yaml"
     path.write_text("task: {prompt_style: chat, chat_question: 'What is {x}?'}\n")
-    with pytest.raises(ConfigError, match=r"task.chat_question = 'What is \{x\}\?' may name only \{a\}, \{op\} and \{b\}"):
+    with pytest.raises(ConfigError,
+                       match=r"task.chat_question = 'What is \{x\}\?' may name only \{a\}, \{op\} and \{b\}"):
         load_config(path)
 
 

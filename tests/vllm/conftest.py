@@ -55,9 +55,8 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="session")
 def reference(models):
     """HF transformers' greedy tokens per seed: what vLLM must reproduce token for token."""
-    from rollout_fixtures import greedy_tokens
-
     from rlslurm.rollout.engine import HFEngine
+    from rollout_fixtures import greedy_tokens
 
     return {s: greedy_tokens(HFEngine(path)) for s, path in models[1].items()}
 

@@ -10,7 +10,6 @@ the GEMM, so VERIFY sees it.
 from __future__ import annotations
 
 import pytest
-from rollout_fixtures import PROMPTS, served_tokens, weights
 
 from rlslurm.errors import SyncVerifyError
 from rlslurm.sync.broadcast import BroadcastTransport
@@ -19,7 +18,7 @@ from rlslurm.sync.config import SyncConfig
 from rlslurm.sync.disk import DiskTransport
 from rlslurm.sync.ipc import IpcTransport
 from rlslurm.sync.protocol import WeightSync
-
+from rollout_fixtures import PROMPTS, served_tokens, weights
 from vllm_fixtures import start_vllm
 
 

@@ -26,7 +26,6 @@ from rlslurm.sync.checksum import checksums, compare
 from rlslurm.sync.config import SyncConfig
 from rlslurm.sync.disk import DiskTransport
 from rlslurm.sync.protocol import WeightSync
-
 from rollout_fixtures import save_tokenizer
 from vllm_fixtures import start_vllm
 

@@ -7,9 +7,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
-from rollout_fixtures import PROMPTS, served_tokens
 
 from rlslurm.rollout.engine import HFEngine, SamplingParams
+from rollout_fixtures import PROMPTS, served_tokens
 
 
 def serving_seed(engine, reference) -> int:

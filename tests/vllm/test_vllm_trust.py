@@ -11,11 +11,11 @@ import time
 import httpx
 import psutil
 import pytest
+
+from rlslurm.secret import bearer
 from rollout_fixtures import save_model, tiny_llama
 from vllm_fixtures import start_vllm
 from waiting import wait_for
-
-from rlslurm.secret import bearer
 
 LONG = {"prompt": "abc", "n": 64, "max_tokens": 4000, "temperature": 1.0}
 """64 x 4000 tokens (the model has no end-of-sequence token) with attention over up to 4096 positions:

@@ -39,7 +39,6 @@ ROOT = HERE.parents[2]
 sys.path[:0] = [str(ROOT / "tests" / "integration"), str(ROOT / "tests")]  # failures.py, and its waiting.py
 
 import failures  # noqa: E402  (tests/integration/failures.py)
-
 from rlslurm.diag.bundle import collect  # noqa: E402
 from rlslurm.diag.heartbeat import pid_alive, read_heartbeats  # noqa: E402
 from rlslurm.node import node_name  # noqa: E402
