@@ -19,8 +19,10 @@ A heartbeat that cannot be written (OSError: its directory unwritable, the disk 
 work nor the flusher: the first failure is a `heartbeat_unwritable` event (its path, error and errno;
 where the events log cannot be written either, a log line on stderr), writes are retried once per
 interval, and the first that succeeds again is a `heartbeat_restored` event. The node agent reads the
-event and stops judging that process by heartbeat age (diag/watchdog.py says why). Lifecycle: started by the constructor (background=True),
-stopped by `close()`; it waits on an Event, so close() ends it at once. With background=False (tests,
+event and stops judging that process by heartbeat age (diag/watchdog.py says why).
+
+Lifecycle: started by the constructor (background=True), stopped by `close()`; it waits on an Event, so
+close() ends it at once. With background=False (tests,
 a process that must not start threads) `update()` writes synchronously, coalesced the same way.
 """
 

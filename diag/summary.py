@@ -214,8 +214,10 @@ def classify(facts: Facts) -> list[Cause]:
         causes.append(Cause("running", f"still running (step {steps[-1] if steps else '?'}; {phases})"))
     exited = [hb for hb in facts.heartbeats if hb.get("state") == "exited"]
     finished = ev.select(now_events, *ev.FINISHED)
-    if len(causes) == len(ops) and (finished or state == "COMPLETED" or (exited and len(exited) == len(facts.heartbeats))):
-        causes.insert(0, Cause("finished", "finished OK" + (f" ({len(exited)} processes exited cleanly)" if exited else "")))
+    all_exited = bool(exited) and len(exited) == len(facts.heartbeats)
+    if len(causes) == len(ops) and (finished or state == "COMPLETED" or all_exited):
+        clean = f" ({len(exited)} processes exited cleanly)" if exited else ""
+        causes.insert(0, Cause("finished", "finished OK" + clean))
     if not causes:
         causes.append(Cause("unknown", f"no cause found (SLURM state {state or 'unknown'}); read the log tails"))
     for e in ev.select(earlier, ev.HANG_DETECTED, ev.PHASE_FAILED, ev.ENGINE_FAILED, ev.SYNC_VERIFY_FAILED,

@@ -434,7 +434,7 @@ def _message(waiting: list[Rank], elsewhere: list[Rank]) -> str:
     for r in waiting:
         groups.setdefault((collective_in(r.dump.text) or "a collective", r.hb.get("phase"), r.hb.get("step")),
                           []).append(r)
-    for (coll, phase, step), rs in groups.items():
+    for (coll, phase, _step), rs in groups.items():
         n = f"{len(rs)} rank{'s' if len(rs) > 1 else ''}"
         where = f"of {rs[0].where()}" if phase else rs[0].where()
         parts.append(f"{n} in {coll} {where} ({', '.join(r.name for r in rs)})")

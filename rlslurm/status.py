@@ -71,7 +71,9 @@ def slurm_error_line(e: Exception) -> str:
     from rlslurm.slurm.commands import DEFAULT_TIMEOUT_S
 
     took = getattr(e, "duration_s", None)
-    timing = (f"after {took:.1f} s; " if took is not None else "") + f"timeout {DEFAULT_TIMEOUT_S:g} s per SLURM command"
+    timing = f"timeout {DEFAULT_TIMEOUT_S:g} s per SLURM command"
+    if took is not None:
+        timing = f"after {took:.1f} s; {timing}"
     return (f"no answer about this job: {e} ({timing}); the lines below are the run directory's own "
             f"(heartbeats, checkpoints, events)")
 
@@ -144,7 +146,8 @@ def render(status: Status) -> str:
         lines.append(f"SLURM: {status.slurm_error}")
     for c in status.components:
         reason = f" ({c['reason']})" if c.get("reason") not in (None, "None") else ""
-        lines.append(f"  component {c['component']}: {c['state']}{reason} partition={c['partition']} nodes={c['nodes']}")
+        lines.append(f"  component {c['component']}: {c['state']}{reason} partition={c['partition']} "
+                     f"nodes={c['nodes']}")
     if status.roles:
         lines.append("roles:")
         for r in sorted(status.roles, key=lambda r: (str(r["role"]), r["rank"] or 0)):

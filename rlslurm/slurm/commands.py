@@ -11,7 +11,8 @@ the one long-running step, `srun --het-group=N` of a het component, through `sru
 
 `run()` logs the command line (logger "rlslurm.slurm"), bounds it with a timeout, and raises
 `SlurmCommandError` carrying `.argv`, `.returncode`, `.stderr` and `.duration_s` (how long it ran, None where
-it never started) when the command fails, times out or is not installed. Parsing of what the commands print lives in `rlslurm/slurm/parse.py` (pure functions).
+it never started) when the command fails, times out or is not installed. Parsing of what the commands
+print lives in `rlslurm/slurm/parse.py` (pure functions).
 Clients find the cluster through SLURM_CONF like any SLURM client; `env` overrides it per call.
 """
 

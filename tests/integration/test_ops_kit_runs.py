@@ -22,11 +22,11 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+from failures import node_agent, read_only
 from rlslurm import events, launch
 from rlslurm.cli.main import cli
 from rlslurm.config import load_config
 from rlslurm.rundir import RunDir
-from failures import node_agent, read_only
 from waiting import wait_for
 
 pytestmark = pytest.mark.slow

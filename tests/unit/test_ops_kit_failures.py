@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_diag_watchdog import Clock, fake_dump
 
 from rlslurm import events
 from rlslurm.diag.agent import AgentKeeper
@@ -27,7 +28,6 @@ from rlslurm.diag.summary import Facts, classify
 from rlslurm.diag.watchdog import Watchdog
 from rlslurm.rundir import RunDir
 from rlslurm.status import ops_problems
-from test_diag_watchdog import Clock, fake_dump
 from waiting import wait_for
 
 
@@ -67,8 +67,8 @@ def test_a_heartbeat_that_cannot_be_written_is_an_event_and_the_flusher_lives_on
         w.update(phase="train", step=1, phase_timeout_s=5.0, force=True)
         block()
         w.update(phase="train", step=2)
-        (event,) = wait_for("the heartbeat_unwritable event", lambda: events.read_events(run, events.HEARTBEAT_UNWRITABLE),
-                            timeout_s=10)
+        (event,) = wait_for("the heartbeat_unwritable event",
+                            lambda: events.read_events(run, events.HEARTBEAT_UNWRITABLE), timeout_s=10)
         expected = errno.ENOSPC if os.geteuid() == 0 else errno.EACCES
         assert event["errno"] == expected and event["path"] == str(w.path), event
         assert os.strerror(expected) in event["error"] and (event["role"], event["rank"]) == ("train", 0)
@@ -149,7 +149,8 @@ def test_a_killed_node_agent_is_an_event_with_its_cause_and_is_restarted_within_
         last = events.read_events(run, events.NODE_AGENT_DIED)[-1]
         assert last["restarted"] is False
         lines = ops_problems(events.read_events(run))
-        assert lines[0].startswith(f"node agent pid {first.pid} on n1 killed by SIGKILL at ") and "; restarted" in lines[0]
+        assert lines[0].startswith(f"node agent pid {first.pid} on n1 killed by SIGKILL at ")
+        assert "; restarted" in lines[0]
         assert "not restarted: hangs on this node go unwatched" in lines[1]
         cause = classify(Facts(events=events.read_events(run)))[0]
         assert cause.kind == "agent_died" and cause.headline.startswith(f"node agent died: pid {first.pid} on n1 "
