@@ -13,7 +13,9 @@ dump the stacks of every watched rank on this node into <run>/stacks/<stamp>/<ho
 (diag/stack_dump.py), emit `hang_detected` naming the stuck ranks, their phases, the collective the
 others wait in (a rank found in a collective counts as waiting even before its own timeout ran out: it
 entered the collective a moment after the stuck rank stopped; a stopped process, state T, counts as stuck
-whatever its stack shows: SIGSTOP may catch it inside the collective), then act by `diag.hang_policy`:
+whatever its stack shows: SIGSTOP may catch it inside the collective), then act by `diag.hang_policy`
+(a rank whose heartbeat cannot be written, its `heartbeat_unwritable` event, is never judged hung by age:
+`_mark_unwritable` says why):
 
 - dump: nothing more; keep watching (the same hang is not reported twice).
 - requeue: write <run>/control/drain (the drain gate of every process reads it), `scontrol requeue` the
