@@ -13,14 +13,24 @@ temp file and an atomic rename, without fsync (a heartbeat lost in a crash of th
 nothing, and fsync on NFS costs milliseconds). On ext4 here one such write costs 0.2-3 ms, so writing
 at every phase change of a fast step would break the 1 % budget; the thread keeps it to one per second.
 The thread never makes progress up: it only writes `last_progress` as the work last set it, so a
-wedged main thread still ages its heartbeat. Lifecycle: started by the constructor (background=True),
-stopped by `close()`; it waits on an Event, so close() ends it at once. With background=False (tests,
+wedged main thread still ages its heartbeat.
+
+A heartbeat that cannot be written (OSError: its directory unwritable, the disk full) never stops the
+work nor the flusher: the first failure is a `heartbeat_unwritable` event (its path, error and errno;
+where the events log cannot be written either, a log line on stderr), writes are retried once per
+interval, and the first that succeeds again is a `heartbeat_restored` event. The node agent reads the
+event and stops judging that process by heartbeat age (diag/watchdog.py says why).
+
+Lifecycle: started by the constructor (background=True), stopped by `close()`; it waits on an Event, so
+close() ends it at once. With background=False (tests,
 a process that must not start threads) `update()` writes synchronously, coalesced the same way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import threading
 import time
@@ -29,8 +39,21 @@ from typing import Callable
 
 import psutil
 
+from rlslurm import events
 from rlslurm.node import node_name
 from rlslurm.rundir import RunDir
+
+log = logging.getLogger("rlslurm.heartbeat")
+
+
+ENDED_STATES = ("exited", "failed")
+"""Heartbeat states a process writes as its last (diag/guard.py): it left, cleanly or not. A heartbeat in one
+of them says nothing about a live process, however recent it is."""
+
+
+def has_ended(hb: dict) -> bool:
+    """Whether the heartbeat is its process's last word (state `exited` or `failed`)."""
+    return hb.get("state") in ENDED_STATES
 
 
 def heartbeat_path(run: RunDir, role: str, rank: int) -> Path:
@@ -43,7 +66,14 @@ class HeartbeatWriter:
     def __init__(self, run: RunDir, role: str, rank: int, *, interval_s: float,
                  clock: Callable[[], float] = time.time, job_id: str | None = None,
                  host: str | None = None, background: bool = True):
-        run.heartbeats.mkdir(parents=True, exist_ok=True)
+        self.run = run
+        self.error: OSError | None = None
+        """Why the last write failed; None while writes succeed."""
+        self.unwritable_since: float | None = None
+        try:
+            run.heartbeats.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            self.error = e  # reported by the first write, which fails the same way
         self.path = heartbeat_path(run, role, rank)
         self._tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         self.interval_s = interval_s
@@ -113,10 +143,48 @@ class HeartbeatWriter:
             self._dirty = False
             record = dict(self.record)  # a copy: the main thread may update the record meanwhile
             record["written"] = now
-            with open(self._tmp, "w") as f:
-                f.write(json.dumps(record))
-            os.replace(self._tmp, self.path)
-            self._last_write = now
+            self._last_write = now  # a failed write is retried one interval later, not at every update
+            try:
+                with open(self._tmp, "w") as f:
+                    f.write(json.dumps(record))
+                os.replace(self._tmp, self.path)
+            except OSError as e:
+                self._dirty = True
+                with contextlib.suppress(OSError):
+                    self._tmp.unlink(missing_ok=True)  # a half-written temp file holds the space that ran out
+                if self.unwritable_since is None:
+                    self.unwritable_since = now
+                    # The error without its file name: that is the temp file; `path` names the heartbeat.
+                    said = f"[Errno {e.errno}] {e.strerror}" if e.strerror else str(e)
+                    self._report(events.HEARTBEAT_UNWRITABLE, path=str(self.path), error=f"{type(e).__name__}: {said}",
+                                 errno=e.errno)
+                self.error = e
+                return
+            if self.unwritable_since is not None:
+                self._report(events.HEARTBEAT_RESTORED, path=str(self.path),
+                             unwritable_s=round(now - self.unwritable_since, 3))
+                self.unwritable_since = self.error = None
+
+    def _report(self, kind, **fields) -> None:
+        """An event of this process's heartbeat; a log line where the events log cannot be written either
+        (a full disk under the whole run directory)."""
+        try:
+            events.emit(self.run, kind, role=self.record["role"], rank=self.record["rank"], **fields)
+        except OSError as e:
+            log.error("%s %s-%s %s (and the event could not be written: %s)", kind.name, self.record["role"],
+                      self.record["rank"], fields, e)
+
+
+def still_unwritable(evts: list[dict]) -> list[dict]:
+    """The `heartbeat_unwritable` events of `evts` that no `heartbeat_restored` of the same process followed."""
+    latest: dict[tuple, dict] = {}
+    for e in events.select(evts, events.HEARTBEAT_UNWRITABLE, events.HEARTBEAT_RESTORED):
+        who = (e.get("host"), e.get("role"), e.get("rank"), e.get("pid"))
+        if events.kind_of(e) is events.HEARTBEAT_UNWRITABLE:
+            latest[who] = e
+        else:
+            latest.pop(who, None)
+    return list(latest.values())
 
 
 def read_heartbeat(path: Path) -> dict | None:

@@ -13,7 +13,9 @@ Event kinds read (declared in rlslurm/events.py, emitted where the failure happe
 controller's check before the first sync), phase_failed (diag/guard.py), hang_detected (diag/watchdog.py;
 a desync when its collective records show a rank that skipped or took another collective),
 sync_verify_failed / sync_failed (rlslurm/sync/protocol.py), engine_failed (the controller's engine
-calls), reward_service_down (rlslurm/reward/supervisor.py), done / sft_finished, start / resume. SLURM's
+calls), reward_service_down (rlslurm/reward/supervisor.py), heartbeat_unwritable / heartbeat_restored
+(diag/heartbeat.py) and node_agent_died (diag/agent.py): the ops kit's own failures, done / sft_finished,
+start / resume. SLURM's
 state and the log tails cover what no process lives to say (OOM kill, node failure, time limit,
 preemption). tests/data/diag/ holds a recorded run of each cause (tests/unit/test_diag_recorded.py).
 """
@@ -26,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from rlslurm import events as ev
-from rlslurm.diag.heartbeat import label, pid_alive
+from rlslurm.diag.heartbeat import label, pid_alive, still_unwritable
 from rlslurm.node import node_name
 
 
@@ -49,7 +51,7 @@ class Facts:
 class Cause:
     kind: str
     """oom, desync, hang, sync_failure, engine_crash, reward_down, node_failure, time_limit, preempted,
-    env_mismatch, exception, running, finished, unknown."""
+    env_mismatch, exception, heartbeat_unwritable, agent_died, running, finished, unknown."""
     headline: str
     evidence: list[str] = field(default_factory=list)
 
@@ -202,19 +204,40 @@ def classify(facts: Facts) -> list[Cause]:
         if hit:
             causes.append(Cause("exception", f"Python exception ({hit[0]}): {hit[1].group(0).splitlines()[-1]}",
                                 [hit[1].group(0)]))
-    if alive and not causes:
+    # The kit's own failures name a job that is otherwise fine (still running, or nothing else found)
+    # before it is called running; a finished job is named finished first, with them after it.
+    ops = ops_causes(now_events)
+    causes += ops
+    if alive and len(causes) == len(ops):
         steps = sorted({hb.get("step") for hb in alive if hb.get("step") is not None})
         phases = ", ".join(f"{label(hb)} in {hb.get('phase')}" for hb in alive)
         causes.append(Cause("running", f"still running (step {steps[-1] if steps else '?'}; {phases})"))
     exited = [hb for hb in facts.heartbeats if hb.get("state") == "exited"]
     finished = ev.select(now_events, *ev.FINISHED)
-    if not causes and (finished or state == "COMPLETED" or (exited and len(exited) == len(facts.heartbeats))):
-        causes.append(Cause("finished", "finished OK" + (f" ({len(exited)} processes exited cleanly)" if exited else "")))
+    all_exited = bool(exited) and len(exited) == len(facts.heartbeats)
+    if len(causes) == len(ops) and (finished or state == "COMPLETED" or all_exited):
+        clean = f" ({len(exited)} processes exited cleanly)" if exited else ""
+        causes.insert(0, Cause("finished", "finished OK" + clean))
     if not causes:
         causes.append(Cause("unknown", f"no cause found (SLURM state {state or 'unknown'}); read the log tails"))
     for e in ev.select(earlier, ev.HANG_DETECTED, ev.PHASE_FAILED, ev.ENGINE_FAILED, ev.SYNC_VERIFY_FAILED,
                        ev.REWARD_SERVICE_DOWN, ev.DRAINED):
         causes[0].evidence.append(f"earlier attempt: {e.get('kind')} {_said(e)}".rstrip())
+    return causes
+
+
+def ops_causes(now_events: list[dict]) -> list[Cause]:
+    """The ops kit's own failures in this attempt: a heartbeat that still cannot be written (no
+    `heartbeat_restored` after its `heartbeat_unwritable`), a node agent that died."""
+    causes = [Cause("heartbeat_unwritable", f"heartbeat cannot be written: {e.get('role')}-{e.get('rank')} (pid "
+                    f"{e.get('pid')} on {e.get('host')}): {e.get('error')} ({e.get('path')}); the node agent stopped "
+                    f"judging it by heartbeat age, no hang was called on it", [str(e)])
+              for e in still_unwritable(now_events)]
+    for e in ev.select(now_events, ev.NODE_AGENT_DIED):
+        then = "restarted" if e.get("restarted") else "not restarted (budget spent): its node's hangs went unwatched"
+        causes.append(Cause("agent_died", f"node agent died: pid {e.get('agent_pid')} on {e.get('node')} "
+                            f"{e.get('cause')}; {then}",
+                            [f"agent log: {e.get('log')}"] + str(e.get("log_tail") or "").splitlines()))
     return causes
 
 

@@ -13,7 +13,9 @@ dump the stacks of every watched rank on this node into <run>/stacks/<stamp>/<ho
 (diag/stack_dump.py), emit `hang_detected` naming the stuck ranks, their phases, the collective the
 others wait in (a rank found in a collective counts as waiting even before its own timeout ran out: it
 entered the collective a moment after the stuck rank stopped; a stopped process, state T, counts as stuck
-whatever its stack shows: SIGSTOP may catch it inside the collective), then act by `diag.hang_policy`:
+whatever its stack shows: SIGSTOP may catch it inside the collective), then act by `diag.hang_policy`
+(a rank whose heartbeat cannot be written, its `heartbeat_unwritable` event, is never judged hung by age:
+`_mark_unwritable` says why):
 
 - dump: nothing more; keep watching (the same hang is not reported twice).
 - requeue: write <run>/control/drain (the drain gate of every process reads it), `scontrol requeue` the
@@ -58,7 +60,7 @@ import psutil
 from rlslurm.diag import collectives, nvidia_smi
 from rlslurm.diag.collectives import Attribution, RankRecord, attribute, fetch
 from rlslurm.diag.config import DiagConfig
-from rlslurm.diag.heartbeat import label, pid_alive, read_heartbeats
+from rlslurm.diag.heartbeat import label, pid_alive, read_heartbeats, still_unwritable
 from rlslurm.diag.stack_dump import StackDump, collective_in, dump_stack, process_state, top_frame
 from rlslurm.events import HANG_ACTION, HANG_DETECTED, emit
 from rlslurm.lifecycle import ExitCode
@@ -100,10 +102,12 @@ class Rank:
     """psutil's process status, read for every rank at one moment before any dump."""
     records: str | None = None
     """How reading its flight recorder went ("flight recorder", or why not)."""
+    unwritable: str | None = None
+    """Why its heartbeat cannot be written (its `heartbeat_unwritable` event), if it cannot: then it is not hung."""
 
     @property
     def hung(self) -> bool:
-        return self.age_s > self.timeout_s
+        return self.age_s > self.timeout_s and self.unwritable is None
 
     @property
     def name(self) -> str:
@@ -150,6 +154,7 @@ class Watchdog:
         # right then, and a stop-Event wait would turn the grace into a busy loop on a shared node.
         self._grace_sleep = sleep or threading.Event().wait
         self._reported: set[tuple] = set()
+        self._unjudged: set[str] = set()
         self.reports: list[HangReport] = []
 
     def stop(self) -> None:
@@ -164,7 +169,34 @@ class Watchdog:
                 continue
             timeout = float(hb.get("phase_timeout_s") or self.config.timeout_for(hb.get("phase")))
             ranks.append(Rank(hb, now - float(hb.get("last_progress") or now), timeout))
+        if any(r.age_s > r.timeout_s for r in ranks):
+            self._mark_unwritable(ranks)
         return ranks
+
+    def _mark_unwritable(self, ranks: list[Rank]) -> None:
+        """Set `unwritable` on the ranks whose heartbeat could not be written since its last write.
+
+        Such a rank is not judged by heartbeat age: its file ages because the disk refuses it, not because
+        the rank stopped, and a hang reported on it would requeue the job into a restart that meets the
+        same directory (a false hang, then a restart that fails the same way). Its process is still
+        watched (alive or gone), a real hang of it still ends in its collectives' and phases' own
+        timeouts, and once a write succeeds (a `written` newer than the event) it is judged again.
+        Where not even the event could be written (a disk full under the whole run directory) the agent
+        cannot tell, and judges it as before."""
+        from rlslurm.events import read_events
+
+        latest = {(e.get("host"), e.get("role"), e.get("rank"), e.get("pid")): e
+                  for e in still_unwritable(read_events(self.run))}
+        for r in ranks:
+            e = latest.get((r.hb.get("host"), r.hb.get("role"), r.hb.get("rank"), r.hb.get("pid")))
+            if e is not None and float(e.get("t") or 0) >= float(r.hb.get("written") or 0):
+                r.unwritable = str(e.get("error"))
+                if r.name not in self._unjudged:
+                    self._unjudged.add(r.name)
+                    log.warning("not judging %s by heartbeat age (%.1f s > %g s): its heartbeat cannot be "
+                                "written (%s)", r.name, r.age_s, r.timeout_s, r.unwritable)
+            else:
+                self._unjudged.discard(r.name)
 
     def poll(self) -> HangReport | None:
         """One look at the heartbeats; on a hang not reported before: dump, report, act."""
@@ -404,7 +436,7 @@ def _message(waiting: list[Rank], elsewhere: list[Rank]) -> str:
     for r in waiting:
         groups.setdefault((collective_in(r.dump.text) or "a collective", r.hb.get("phase"), r.hb.get("step")),
                           []).append(r)
-    for (coll, phase, step), rs in groups.items():
+    for (coll, phase, _step), rs in groups.items():
         n = f"{len(rs)} rank{'s' if len(rs) > 1 else ''}"
         where = f"of {rs[0].where()}" if phase else rs[0].where()
         parts.append(f"{n} in {coll} {where} ({', '.join(r.name for r in rs)})")

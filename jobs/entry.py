@@ -74,6 +74,18 @@ def _start_components(run: RunDir, job: JobConfig) -> list:
     return steps
 
 
+def node_agent_log(run: RunDir, role: str) -> Path:
+    """Where the node agent of this node writes its log."""
+    return run.logs / f"watchdog-{role}-{node_name()}.log"
+
+
+def keep_node_agent(run: RunDir, role: str):
+    """The node agent, kept: its death is a `node_agent_died` event and a restart (diag/agent.py)."""
+    from rlslurm.diag.agent import AgentKeeper
+
+    return AgentKeeper(run, lambda: start_node_agent(run, role), log_path=node_agent_log(run, role), node=node_name())
+
+
 def start_node_agent(run: RunDir, role: str) -> subprocess.Popen:
     """The watchdog of this node (diag/watchdog.py): a separate process, since a rank wedged in C code
     or holding the GIL cannot watch itself. It exits by itself once every watched process is gone."""
@@ -81,11 +93,17 @@ def start_node_agent(run: RunDir, role: str) -> subprocess.Popen:
     argv = [sys.executable, "-m", "rlslurm.diag.watchdog", "--run-dir", str(run.path), "--host", node]
     if leader_job_id():
         argv += ["--job-id", leader_job_id()]
-    log_path = run.logs / f"watchdog-{role}-{node}.log"
+    log_path = node_agent_log(run, role)
     # A new session: the agent must outlive a SIGTERM that SLURM sends to the step's process group
     # long enough to dump stacks. It is still in the step's process tree, which is what SLURM signals
     # (proctrack/linuxproc), so USR1 reached it and killed it: started with USR1 ignored, it stays so
     # across exec.
+    if threading.current_thread() is not threading.main_thread():
+        # A restart by the agent's keeper (diag/agent.py) runs in its thread, where signal.signal is refused:
+        # a shell ignores USR1 the same way before it execs the agent.
+        with open(log_path, "ab") as out:
+            return subprocess.Popen(["sh", "-c", 'trap "" USR1; exec "$@"', "sh", *argv], stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
     previous = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     try:
         with open(log_path, "ab") as out:
@@ -158,7 +176,7 @@ def run_component(run_dir: str) -> int:
         from rlslurm.lifecycle import name_lost_nodes, restart_count
 
         name_lost_nodes(run, restart_count())  # SLURM requeued us off a lost node: say which
-    agent = start_node_agent(run, "train") if topo.local_rank == 0 else None
+    agent = keep_node_agent(run, "train") if topo.local_rank == 0 else None
     steps = []
     if topo.is_main and "SLURM_HET_SIZE" in os.environ:
         steps = _start_components(run, load_config(run.config))
@@ -174,8 +192,8 @@ def run_component(run_dir: str) -> int:
         if not (code == ExitCode.DRAINED and leader_job_id()):
             for step in steps:
                 step.stop(timeout_s=30)
-        if agent is not None and agent.poll() is None:
-            agent.terminate()
+        if agent is not None:
+            agent.stop()
     if needs_requeue(code) and topo.is_main and leader_job_id():
         requeue_job(leader_job_id())
     if code in (ExitCode.DONE, ExitCode.DRAINED, ExitCode.HANG_DETECTED):

@@ -141,6 +141,17 @@ HANG_DETECTED = declare("hang_detected", "the watchdog found ranks without progr
                         optional=("attribution", "records"))
 HANG_ACTION = declare("hang_action", "what the watchdog did about a hang (dump, requeue, fail)",
                       by="diag/watchdog.py", required=("action", "policy"), open_fields=True)
+HEARTBEAT_UNWRITABLE = declare("heartbeat_unwritable", "a process could not write its heartbeat file (OSError: "
+                                "its directory unwritable, the disk full); it keeps working and retrying, and the "
+                                "node agent stops judging it by heartbeat age until a write succeeds",
+                                by="diag/heartbeat.py", required=("path", "error", "errno"))
+HEARTBEAT_RESTORED = declare("heartbeat_restored", "a heartbeat that could not be written is written again",
+                             by="diag/heartbeat.py", required=("path", "unwritable_s"))
+NODE_AGENT_DIED = declare("node_agent_died", "the node agent (diag/watchdog.py) of a node exited while the ranks "
+                          "it watches ran (a crash, a kill); restarted within its budget, else that node's hangs "
+                          "go unwatched", by="diag/agent.py",
+                          required=("node", "agent_pid", "returncode", "cause", "log", "restarted"),
+                          optional=("signal", "log_tail"))
 ENV_DIFF = declare("env_diff", "the controller's env-fingerprint check before the first sync found differences",
                    by="rlslurm/rl/controller.py", required=("report", "ok"))
 NODE_LOST = declare("node_lost", "a restart found a node of the previous attempt gone in SLURM (DOWN, not "

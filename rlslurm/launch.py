@@ -16,13 +16,14 @@ would use, and creates and submits nothing.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import shlex
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,7 +128,19 @@ def submit(job: JobConfig, *, config_text: str, force: bool = False, backend: st
     """Validate -> plan -> pre-flight -> run directory -> submit; returns the job id and run directory."""
     chosen = resolve_backend(job, backend)
     run, plan = prepare(job, config_text=config_text, force=force, run_root=run_root, backend=chosen)
-    return _launch(job, run, plan, chosen)
+    try:
+        return _launch(job, run, plan, chosen)
+    except BaseException as e:
+        # Refused (sbatch said no: a partition that does not exist, a constraint SLURM rejects) or broken
+        # off: the directory is removed, not kept and marked. It holds only what prepare wrote a moment ago
+        # (config, plan, secret, layout), no job ever ran in it, and the error carries SLURM's own words; a
+        # kept one would be one more "run" for status, resume and the job-id lookup to tell apart forever.
+        shutil.rmtree(run.path, ignore_errors=True)
+        if isinstance(e, RlslurmError):
+            said = type(e)(f"{e}\nnothing was submitted; the run directory {run.path} was removed")
+            said.__dict__.update(e.__dict__)  # a SlurmCommandError's argv, returncode, stderr
+            raise said from e
+        raise
 
 
 def _launch(job: JobConfig, run: RunDir, plan, backend: str, **record) -> Submission:
@@ -166,16 +179,34 @@ def resume(target: str, *, overrides: tuple[str, ...] = (), force: bool = False,
     if alive:
         raise RlslurmError(f"run {run.path} is not stopped: {alive}. Two jobs must not write one run directory: "
                            f"rlslurm drain {previous or run.path} (or scancel) first, then resume")
-    if overrides:
-        run.config.write_text(yaml.safe_dump(to_dict(job), sort_keys=False))
-        run.plan.write_text(render_json(plan))
-        events.emit(run, events.CONFIG_CHANGED, overrides=list(overrides))
-    if problems:
-        events.emit(run, events.PREFLIGHT_FORCED, problems=problems)
-    secret.ensure(run.secret)  # the run's own secret again (made here for a run submitted before there was one)
-    # A new series of starts: the no-progress count (lifecycle.on_start) does not reach back past it.
-    run.record_start(resubmitted=True, after_job_id=previous, step=None)
-    return _launch(job, run, plan, resolve_backend(job, backend or last.get("backend")), resume_of=previous)
+    # A resubmission SLURM refuses leaves the stopped run as it was (its config, plan, starts, events and
+    # layout): the run directory is the user's and holds checkpoints, so unlike a new submission's it stays.
+    with restored_on_failure(run.config, run.plan, run.jobs, run.events, run.layout):
+        if overrides:
+            run.config.write_text(yaml.safe_dump(to_dict(job), sort_keys=False))
+            run.plan.write_text(render_json(plan))
+            events.emit(run, events.CONFIG_CHANGED, overrides=list(overrides))
+        if problems:
+            events.emit(run, events.PREFLIGHT_FORCED, problems=problems)
+        secret.ensure(run.secret)  # the run's own secret again (made here for a run submitted before there was one)
+        # A new series of starts: the no-progress count (lifecycle.on_start) does not reach back past it.
+        run.record_start(resubmitted=True, after_job_id=previous, step=None)
+        return _launch(job, run, plan, resolve_backend(job, backend or last.get("backend")), resume_of=previous)
+
+
+@contextlib.contextmanager
+def restored_on_failure(*paths: Path) -> Iterator[None]:
+    """Put each file back as it was (bytes, or absent) when the body raises; small files of a stopped run."""
+    saved = {path: path.read_bytes() if path.is_file() else None for path in paths}
+    try:
+        yield
+    except BaseException:
+        for path, data in saved.items():
+            if data is None:
+                path.unlink(missing_ok=True)
+            else:
+                path.write_bytes(data)
+        raise
 
 
 _SLURM_LIVE = {"PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SUSPENDED",
@@ -183,13 +214,14 @@ _SLURM_LIVE = {"PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", 
 
 
 def signs_of_life(run: RunDir, job: JobConfig, now: float) -> str | None:
-    """Why the run's processes look alive (a heartbeat, not marked exited, newer than a few beats), or None."""
-    from rlslurm.diag.heartbeat import read_heartbeats
+    """Why the run's processes look alive (a heartbeat newer than a few beats that is not its process's last
+    word, `exited` or `failed`), or None."""
+    from rlslurm.diag.heartbeat import has_ended, read_heartbeats
 
     fresh_s = max(10.0, 5 * job.diag.heartbeat_interval_s)
     for hb in read_heartbeats(run):
         age = now - hb.get("written", 0.0)
-        if hb.get("state") != "exited" and age < fresh_s:
+        if not has_ended(hb) and age < fresh_s:
             return f"{hb.get('role')}-{hb.get('rank')} (pid {hb.get('pid')} on {hb.get('host')}) beat {age:.1f} s ago"
     return None
 

@@ -34,6 +34,8 @@ class Status:
     last_events: list[dict] = field(default_factory=list)
     slurm_error: str | None = None
     progress: str | None = None
+    ops: list[str] = field(default_factory=list)
+    """What is wrong with the ops kit itself this attempt: heartbeats that cannot be written, node agents that died."""
 
 
 def slurm_components(job_id: str) -> list[dict]:
@@ -48,13 +50,32 @@ def slurm_components(job_id: str) -> list[dict]:
                          "partition": record.get("Partition"), "nodes": record.get("NodeList"),
                          "restarts": int(record.get("Restarts", "0") or 0)})
         return rows
-    except (SlurmCommandError, SlurmParseError):
-        pass  # gone from slurmctld (MinJobAge): ask accounting / the jobcomp file
+    except SlurmCommandError as e:
+        # Only slurmctld's own "Invalid job id" (gone past MinJobAge) sends us to accounting / the jobcomp
+        # file. A controller that does not answer is not that: `sacct -c` reads a file and would answer
+        # with nothing for a running job, and the SLURM lines would vanish without a word.
+        if not parse.job_unknown(getattr(e, "stderr", "") or ""):
+            raise
+    except SlurmParseError:
+        pass  # printed something we cannot read: accounting may still say it
     for record in commands.sacct([job_id]):
         rows.append({"job_id": record.get("JobID"), "component": parse.split_job_id(record.get("JobID", ""))[1] or 0,
                      "state": record.get("State"), "reason": None, "partition": record.get("Partition"),
                      "nodes": record.get("NodeList"), "restarts": None})
     return rows
+
+
+def slurm_error_line(e: Exception) -> str:
+    """What status says when SLURM gave no usable answer: the command, its error, how long it ran against
+    the limit rlslurm gives every SLURM command, and that the lines below come from the run alone."""
+    from rlslurm.slurm.commands import DEFAULT_TIMEOUT_S
+
+    took = getattr(e, "duration_s", None)
+    timing = f"timeout {DEFAULT_TIMEOUT_S:g} s per SLURM command"
+    if took is not None:
+        timing = f"after {took:.1f} s; {timing}"
+    return (f"no answer about this job: {e} ({timing}); the lines below are the run directory's own "
+            f"(heartbeats, checkpoints, events)")
 
 
 def collect(target: str, run_root: str | Path | None = None) -> Status:
@@ -69,7 +90,7 @@ def collect(target: str, run_root: str | Path | None = None) -> Status:
         try:
             status.components = slurm_components(job_id)
         except (SlurmCommandError, SlurmParseError) as e:
-            status.slurm_error = str(e)
+            status.slurm_error = slurm_error_line(e)
         status.restarts = max((c["restarts"] or 0 for c in status.components), default=0)
     starts = read_jsonl(run.jobs)
     status.restarts = max(status.restarts, max((s.get("restart_count") or 0 for s in starts), default=0))
@@ -80,9 +101,33 @@ def collect(target: str, run_root: str | Path | None = None) -> Status:
                              "progress_age_s": round(now - hb.get("last_progress", now), 1)})
     ckpt = latest_complete(run, tidy=False)
     status.checkpoint = ckpt.path.name if ckpt else None
-    status.last_events = read_events(run)[-8:]
+    all_events = read_events(run)
+    status.last_events = all_events[-8:]
+    status.ops = ops_problems(all_events)
     status.progress = Progress(run, total_steps=_total_steps(run)).poll()
     return status
+
+
+def ops_problems(all_events: list[dict]) -> list[str]:
+    """The ops kit's own failures in the current attempt (since the last start/resume), one line each: a
+    heartbeat that still cannot be written (no `heartbeat_restored` after it), a node agent that died."""
+    from rlslurm import events
+    from rlslurm.diag.heartbeat import still_unwritable
+    from rlslurm.diag.summary import current_attempt
+
+    now_events, _ = current_attempt(all_events)
+    lines = [f"heartbeat of {e.get('role')}-{e.get('rank')} (pid {e.get('pid')} on {e.get('host')}) cannot be "
+             f"written since {_clock(e)}: {e.get('error')} ({e.get('path')}); the node agent does not judge it "
+             f"by heartbeat age" for e in still_unwritable(now_events)]
+    for e in events.select(now_events, events.NODE_AGENT_DIED):
+        then = "restarted" if e.get("restarted") else "not restarted: hangs on this node go unwatched"
+        lines.append(f"node agent pid {e.get('agent_pid')} on {e.get('node')} {e.get('cause')} at {_clock(e)}; "
+                     f"{then} (log: {e.get('log')})")
+    return lines
+
+
+def _clock(event: dict) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(event.get("t", 0)))
 
 
 def _total_steps(run: RunDir) -> int | None:
@@ -101,7 +146,8 @@ def render(status: Status) -> str:
         lines.append(f"SLURM: {status.slurm_error}")
     for c in status.components:
         reason = f" ({c['reason']})" if c.get("reason") not in (None, "None") else ""
-        lines.append(f"  component {c['component']}: {c['state']}{reason} partition={c['partition']} nodes={c['nodes']}")
+        lines.append(f"  component {c['component']}: {c['state']}{reason} partition={c['partition']} "
+                     f"nodes={c['nodes']}")
     if status.roles:
         lines.append("roles:")
         for r in sorted(status.roles, key=lambda r: (str(r["role"]), r["rank"] or 0)):
@@ -110,11 +156,13 @@ def render(status: Status) -> str:
     if status.progress:
         lines.append(f"progress: {status.progress}")
     lines.append(f"last complete checkpoint: {status.checkpoint or 'none'}")
+    if status.ops:
+        lines.append("ops kit:")
+        lines += [f"  {line}" for line in status.ops]
     if status.last_events:
         lines.append("last events:")
         for e in status.last_events:
-            stamp = time.strftime("%H:%M:%S", time.localtime(e.get("t", 0)))
-            lines.append(f"  {stamp} {e.get('kind')} {e.get('role')}-{e.get('rank')} {_fields(e)}".rstrip())
+            lines.append(f"  {_clock(e)} {e.get('kind')} {e.get('role')}-{e.get('rank')} {_fields(e)}".rstrip())
     return "\n".join(lines) + "\n"
 
 
@@ -140,13 +188,13 @@ def job_ended(run: RunDir, job_id: str | None, backend: str | None, now: float, 
     """How the run's newest job (submitted at `since`) ended, or None while it may still run: SLURM's final
     state for a SLURM job (requeues are not an end); off SLURM `exited` once every process that beat since
     the submission is gone, or `never started` when none beat within start_timeout_s."""
-    from rlslurm.diag.heartbeat import pid_alive, read_heartbeats
+    from rlslurm.diag.heartbeat import has_ended, pid_alive, read_heartbeats
     from rlslurm.slurm import hetjob
 
     if backend == "slurm" and job_id:
         return hetjob.final_state(job_id)
     beats = [hb for hb in read_heartbeats(run) if hb.get("written", 0.0) >= since]
-    if any(hb.get("state") != "exited" and pid_alive(hb) for hb in beats):
+    if any(not has_ended(hb) and pid_alive(hb) for hb in beats):
         return None
     if beats:
         return "exited"

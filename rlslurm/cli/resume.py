@@ -15,7 +15,8 @@ from rlslurm.cli.submit import follow_submission
 @click.option("--force", is_flag=True, help="Submit although the plan's pre-flight refuses.")
 @click.option("--backend", type=click.Choice(["slurm", "local"]), help="Default: the run's last submission's.")
 @run_root_option
-@click.option("--wait", is_flag=True, help="Block until the job ends, showing its progress line; exit non-zero if it failed.")
+@click.option("--wait", is_flag=True,
+              help="Block until the job ends, showing its progress line; exit non-zero if it failed.")
 def command(target: str, overrides: tuple[str, ...], force: bool, backend: str | None, run_root: str | None,
             wait: bool) -> None:
     """Submit the run TARGET (a run directory or a job id) again, into its own run directory.

@@ -9,6 +9,7 @@ import click
 
 from rlslurm.cli.options import run_root_option
 
+
 @click.command("status")
 @click.argument("target")
 @run_root_option

@@ -11,11 +11,13 @@ from rlslurm.config import load_config
 
 @click.command("submit")
 @click.argument("config", type=click.Path(dir_okay=False))
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config key, e.g. train.steps=50.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override a config key, e.g. train.steps=50.")
 @click.option("--force", is_flag=True, help="Submit although the plan's pre-flight refuses (OOM, divisibility).")
 @click.option("--backend", type=click.Choice(["slurm", "local"]), help="Override cluster.backend.")
 @click.option("--run-root", type=click.Path(file_okay=False), help="Override cluster.run_root.")
-@click.option("--wait", is_flag=True, help="Block until the job ends, showing its progress line; exit non-zero if it failed.")
+@click.option("--wait", is_flag=True,
+              help="Block until the job ends, showing its progress line; exit non-zero if it failed.")
 @click.option("--dry-run", is_flag=True,
               help="Validate and pre-flight, then print the sbatch script (or the local launch); submit nothing.")
 def command(config: str, overrides: tuple[str, ...], force: bool, backend: str | None, run_root: str | None, wait: bool,

@@ -10,8 +10,9 @@ the one long-running step, `srun --het-group=N` of a het component, through `sru
     report = commands.job_report("sacct-c", job_id)               # unchecked, raw: a diag bundle keeps it
 
 `run()` logs the command line (logger "rlslurm.slurm"), bounds it with a timeout, and raises
-`SlurmCommandError` carrying `.argv`, `.returncode` and `.stderr` when the command fails, times out or is
-not installed. Parsing of what the commands print lives in `rlslurm/slurm/parse.py` (pure functions).
+`SlurmCommandError` carrying `.argv`, `.returncode`, `.stderr` and `.duration_s` (how long it ran, None where
+it never started) when the command fails, times out or is not installed. Parsing of what the commands
+print lives in `rlslurm/slurm/parse.py` (pure functions).
 Clients find the cluster through SLURM_CONF like any SLURM client; `env` overrides it per call.
 """
 
@@ -57,11 +58,13 @@ class CommandResult:
     duration_s: float
 
 
-def _error(argv: Sequence[str], returncode: int | None, stderr: str, why: str) -> SlurmCommandError:
+def _error(argv: Sequence[str], returncode: int | None, stderr: str, why: str,
+           duration_s: float | None = None) -> SlurmCommandError:
     err = SlurmCommandError(f"`{shlex.join(argv)}` {why}" + (f": {stderr.strip()}" if stderr.strip() else ""))
     err.argv = tuple(argv)
     err.returncode = returncode
     err.stderr = stderr
+    err.duration_s = duration_s
     return err
 
 
@@ -79,11 +82,11 @@ def run(argv: Sequence[str], *, timeout_s: float = DEFAULT_TIMEOUT_S, check: boo
     except subprocess.TimeoutExpired as e:
         stderr = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
         raise _error(argv, None, stderr, f"did not answer within {timeout_s:g} s (is slurmctld up? SLURM_CONF="
-                     f"{(env or os.environ).get('SLURM_CONF', '<unset>')})") from e
+                     f"{(env or os.environ).get('SLURM_CONF', '<unset>')})", time.monotonic() - started) from e
     result = CommandResult(argv, proc.returncode, proc.stdout, proc.stderr, time.monotonic() - started)
     log.debug("slurm: exit %d in %.3f s", proc.returncode, result.duration_s)
     if check and proc.returncode != 0:
-        raise _error(argv, proc.returncode, proc.stderr, f"exited {proc.returncode}")
+        raise _error(argv, proc.returncode, proc.stderr, f"exited {proc.returncode}", result.duration_s)
     return result
 
 
@@ -104,9 +107,9 @@ def squeue(job_ids: Sequence[str] = (), *, fields: Sequence[str] = SQUEUE_FIELDS
         argv.append("--jobs=" + ",".join(job_ids))
     result = run(argv, check=False, **kw)
     if result.returncode != 0:
-        if "Invalid job id" in result.stderr:
+        if parse.job_unknown(result.stderr):
             return []
-        raise _error(result.argv, result.returncode, result.stderr, f"exited {result.returncode}")
+        raise _error(result.argv, result.returncode, result.stderr, f"exited {result.returncode}", result.duration_s)
     return parse.squeue_format(result.stdout, fields)
 
 
@@ -122,7 +125,8 @@ def sacct(job_ids: Sequence[str], *, fields: Sequence[str] = SACCT_FIELDS, jobco
         if result.returncode == 0:
             return parse.parsable2(result.stdout)
         if jobcomp is False or not parse.accounting_disabled(result.stderr):
-            raise _error(result.argv, result.returncode, result.stderr, f"exited {result.returncode}")
+            raise _error(result.argv, result.returncode, result.stderr, f"exited {result.returncode}",
+                         result.duration_s)
         log.debug("slurm: accounting disabled, reading jobcomp with sacct -c")
     return parse.parsable2(run(_sacct_argv(job_ids, fields, jobcomp=True), **kw).stdout)
 

@@ -10,6 +10,7 @@
     job_state(records)                      -> "TIMEOUT" (of scontrol_show / parsable2 / jobcomp_line records)
     sinfo_node_states("n1|idle\nn3|down*\n") -> {"n1": "idle", "n3": "down"}
     accounting_disabled(sacct_stderr)       -> True where sacct has no database (then `sacct -c`)
+    job_unknown(stderr)                     -> True for "Invalid job id specified" (slurmctld answered)
 
 Anything these do not understand raises `SlurmParseError` quoting the input, never a guess. Tests:
 tests/unit/test_slurm_parse.py (tables of real outputs from the local cluster and SLURM's docs).
@@ -200,6 +201,12 @@ def job_state(records: Sequence[Mapping[str, str]]) -> str | None:
         return None
     words = (records[0].get("JobState") or records[0].get("State") or "").split()
     return words[0] if words else None
+
+
+def job_unknown(stderr: str) -> bool:
+    """Whether a SLURM command failed because slurmctld does not know the job (gone past MinJobAge, or never
+    was): an answer, unlike a controller that cannot be reached (`Unable to contact slurm controller`)."""
+    return "Invalid job id" in stderr
 
 
 def accounting_disabled(sacct_stderr: str) -> bool:

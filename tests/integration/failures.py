@@ -17,9 +17,12 @@ rlslurm/sync/buckets.py: the copy on the wire, never the trainer's tensor).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import signal
+import subprocess
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -261,6 +264,71 @@ def engine_crash(root: Path) -> Made:
     return Made(sub.run_dir)
 
 
+# -- the ops kit's own failures: a heartbeat that cannot be written, a node agent that dies ------------------
+
+@contextlib.contextmanager
+def read_only(path: Path):
+    """Make `path` refuse writes while its files stay readable; yields the errno a write then meets: a
+    read-only bind mount over it as root (EROFS: chmod does not stop root), chmod 0500 otherwise (EACCES)."""
+    if os.geteuid() == 0:
+        subprocess.run(["mount", "--bind", str(path), str(path)], check=True)
+        try:
+            subprocess.run(["mount", "-o", "remount,bind,ro", str(path)], check=True)
+            yield errno.EROFS
+        finally:
+            subprocess.run(["umount", "-l", str(path)], check=False)
+    else:
+        path.chmod(0o500)
+        try:
+            yield errno.EACCES
+        finally:
+            path.chmod(0o755)
+
+
+def _long_toy(root: Path, name: str) -> launch.Submission:
+    """A toy run of many steps whose step phases time out in 3 s, left running once both ranks beat past step 3."""
+    diag = {"heartbeat_interval_s": 0.2, "watch_interval_s": 0.25, "phase_timeouts_s": {"data": 3, "train": 3}}
+    sub = submit(toy_config(root / f"{name}.yaml", steps=100_000, step_delay_s=0.2, diag=diag), root / "runs")
+    wait_until("the toy run's third step in both heartbeats", lambda: all(
+        (_beat(sub.run_dir, f"train-{rank}").get("step") or 0) >= 3 for rank in (0, 1)), sub)
+    return sub
+
+
+def heartbeat_unwritable(root: Path) -> Made:
+    """A toy run whose heartbeat directory turns read-only mid-run (`read_only`): both ranks say
+    heartbeat_unwritable and train on; recorded past their 3 s phase timeout, with no hang called."""
+    sub = _long_toy(root, "heartbeat_unwritable")
+    stack = contextlib.ExitStack()
+    stack.enter_context(read_only(sub.run_dir / "heartbeats"))
+    wait_until("heartbeat_unwritable of both ranks",
+               lambda: len(events.read_events(RunDir(sub.run_dir), events.HEARTBEAT_UNWRITABLE)) == 2, sub)
+    time.sleep(4)  # past the phase timeout: the agent would have called a hang by now
+    assert events.read_events(RunDir(sub.run_dir), events.HANG_DETECTED) == [], f"see {sub.run_dir}"
+    return Made(sub.run_dir, stops=[stack.close, lambda: _kill_run(sub.run_dir), sub.job.cancel])
+
+
+def node_agent(run: Path) -> psutil.Process | None:
+    """The node agent (diag/watchdog.py) of `run` on this machine, if one runs."""
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = proc.info["cmdline"] or []
+        if "rlslurm.diag.watchdog" in cmd and str(run) in cmd:
+            return proc
+    return None
+
+
+def agent_died(root: Path) -> Made:
+    """A toy run whose node agent is SIGKILLed after the attempt's `start` event: node_agent_died, a new agent
+    (diag/agent.py); recorded while the run goes on."""
+    sub = _long_toy(root, "agent_died")
+    run = RunDir(sub.run_dir)
+    first = wait_until("the node agent", lambda: node_agent(sub.run_dir), sub)
+    wait_until("the start event", lambda: events.read_events(run, events.START), sub)
+    first.send_signal(signal.SIGKILL)
+    wait_until("node_agent_died", lambda: events.read_events(run, events.NODE_AGENT_DIED), sub)
+    wait_until("a new node agent", lambda: (a := node_agent(sub.run_dir)) is not None and a.pid != first.pid, sub)
+    return Made(sub.run_dir, stops=[lambda: _kill_run(sub.run_dir), sub.job.cancel])
+
+
 # -- the local Slurm (tests/data/diag/record.py --cluster starts one): time limit, preemption, node failure --
 
 def _slurm_toy(root: Path, name: str, **kw) -> launch.Submission:
@@ -326,5 +394,5 @@ CLUSTER = {"time_limit": time_limit, "preempted": preempted, "node_failure": nod
 LOCAL = {"finished": finished, "exception": exception, "hang": hang, "desync": desync, "running": running,
          "unknown": unknown,
          "oom": oom, "reward_down": reward_down, "sync_failure": sync_failure, "env_mismatch": env_mismatch,
-         "engine_crash": engine_crash}
+         "engine_crash": engine_crash, "heartbeat_unwritable": heartbeat_unwritable, "agent_died": agent_died}
 """Cause (as `rlslurm diag` names it) -> the scenario that makes it happen here."""

@@ -31,6 +31,8 @@ CAUSES = {
     "time_limit": "time limit reached",
     "preempted": "preempted by SLURM",
     "node_failure": "node failure",
+    "heartbeat_unwritable": "heartbeat cannot be written: train-0",
+    "agent_died": "node agent died: pid",
 }
 """Every cause the classifier names (summary.Cause.kind)."""
 
