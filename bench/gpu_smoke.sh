@@ -11,7 +11,7 @@
 #    installed rlslurm, not the checkout's tree);
 # 3. the GPU-marked tests (pytest -m gpu; with --cpu they skip and their collection is what runs);
 # 4. examples/tiny-grpo-gpu.yaml: a 2-step RL job, the Megatron trainer and the transformers engine colocated
-#    on cuda, weights synced over CUDA IPC (with --cpu: on the CPU, ipc over shared memory) through
+#    on cuda, weights synced over CUDA IPC (with --cpu: hardware.profile cpu, ipc over shared memory) through
 #    bench/gpu_smoke.py run, which samples nvidia-smi for every process's GPU memory while it runs;
 # 5. OUT_DIR/gpu_check.json: peak memory per role against the plan's prediction, the step split, sync GB/s,
 #    the engine-vs-trainer logprob gap, the tests' outcome, each stage's seconds. Exit 0 = PASS.
@@ -92,6 +92,11 @@ if [ "$(left)" -lt 90 ]; then
   exit 3
 fi
 sets=(--set sync.method=ipc --set rollout.engine=hf)
+if [ "$cpu" = 1 ]; then
+  # The local backend hands every trainer rank and engine a GPU of this machine and refuses a GPU profile
+  # where there is none: the dry run plans the same job for the CPU.
+  sets+=(--set hardware.profile=cpu)
+fi
 for kv in ${GPU_CHECK_SET:-}; do
   sets+=(--set "$kv")
 done
