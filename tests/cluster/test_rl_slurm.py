@@ -328,8 +328,10 @@ def test_megatron_het_job_syncs_every_step_and_a_drained_one_resumes_to_its_traj
     files = latest_complete(RunDir(reference), tidy=False).manifest["files"]
     assert {"optimizer-rank00000.pt", "optimizer-rank00001.pt"} <= set(files), files
 
+    # 0.5 s per step (a sleep: it stands in for compute and changes no number): an idle machine makes the six
+    # steps in ~1 s, before the drain asked at step 2 is seen (measured once: drained at step 6, the last).
     sub = su.submit(rl_config(tmp_path / "rl-megatron-drain.yaml", tmp_path / "runs", sft_export, method="broadcast",
-                              backend="megatron", steps=MEGATRON_STEPS))
+                              backend="megatron", steps=MEGATRON_STEPS, step_delay_s=0.5))
     run = sub.run_dir
     su.wait_for("RL step 2", lambda: max((m["step"] for m in steps(run)), default=0) >= 2, JOB_TIMEOUT_S)
     result = CliRunner().invoke(cli, ["drain", sub.job_id, "--run-root", str(run.parent), "--reason", "test"],
