@@ -73,10 +73,9 @@ _STOPPED = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
 
 def scontrol_requeue(job_id: str) -> str:
     """Requeue through the one SLURM seam (rlslurm.slurm.commands), imported only when needed."""
-    from rlslurm.slurm.commands import scontrol
+    from rlslurm.slurm.commands import requeue
 
-    scontrol("requeue", str(job_id))
-    return f"scontrol requeue {job_id}"
+    return requeue(str(job_id))
 
 
 def request_drain(run: RunDir, reason: str) -> Path:

@@ -79,7 +79,7 @@ def requeue_job(job_id: str) -> None:
     """`scontrol requeue <job_id>` through the one SLURM seam."""
     from rlslurm.slurm import commands  # only jobs on SLURM get here
 
-    commands.scontrol("requeue", job_id)
+    commands.requeue(job_id)
 
 
 @dataclass(frozen=True)

@@ -169,9 +169,17 @@ def show_node(node: str, **kw) -> list[dict[str, str]]:
     return parse.scontrol_show(scontrol("show", "node", "-o", node, **kw))
 
 
-def requeue(job_id: str, **kw) -> None:
-    """`scontrol requeue ID` (a het job only through its leader): SIGTERM now, restart later."""
-    scontrol("requeue", str(job_id), **kw)
+def requeue(job_id: str, **kw) -> str:
+    """`scontrol requeue ID` (a het job only through its leader): SIGTERM now, restart later. Returns what
+    happened: the hang watchdog and the leader's drain both requeue, and the second finds the job pending
+    again ("Job is pending execution"): that is the requeue done, not a failure."""
+    try:
+        scontrol("requeue", str(job_id), **kw)
+    except SlurmCommandError as e:
+        if parse.already_pending(getattr(e, "stderr", "") or ""):
+            return f"scontrol requeue {job_id}: already pending (requeued by another party of the job)"
+        raise
+    return f"scontrol requeue {job_id}"
 
 
 def scancel(job_id: str, *, signal: str | None = None, batch: bool = False, full: bool = False, **kw) -> None:

@@ -11,6 +11,7 @@
     sinfo_node_states("n1|idle\nn3|down*\n") -> {"n1": "idle", "n3": "down"}
     accounting_disabled(sacct_stderr)       -> True where sacct has no database (then `sacct -c`)
     job_unknown(stderr)                     -> True for "Invalid job id specified" (slurmctld answered)
+    already_pending(stderr)                 -> True for a requeue of a job that another party requeued first
 
 Anything these do not understand raises `SlurmParseError` quoting the input, never a guess. Tests:
 tests/unit/test_slurm_parse.py (tables of real outputs from the local cluster and SLURM's docs).
@@ -207,6 +208,12 @@ def job_unknown(stderr: str) -> bool:
     """Whether a SLURM command failed because slurmctld does not know the job (gone past MinJobAge, or never
     was): an answer, unlike a controller that cannot be reached (`Unable to contact slurm controller`)."""
     return "Invalid job id" in stderr
+
+
+def already_pending(stderr: str) -> bool:
+    """Whether `scontrol requeue` failed because the job is pending again already: another party of the job
+    (the hang watchdog, the leader's drain, SLURM's own requeue) requeued it first."""
+    return "Job is pending execution" in stderr
 
 
 def accounting_disabled(sacct_stderr: str) -> bool:

@@ -113,7 +113,9 @@ def test_scontrol_requeue_restarts_het_job(slurm_cluster, tmp_path):
     job = ex.submit(until_requeued, str(out))
     wait_for("first start", lambda: (out / "start-0").exists(), 60)
     t0 = time.time()
-    commands.requeue(job.job_id)
+    assert commands.requeue(job.job_id) == f"scontrol requeue {job.job_id}"
+    # A second party's requeue (the hang watchdog and the leader's drain both requeue) finds it pending: done.
+    assert "already pending" in commands.requeue(job.job_id)
     # On an idle test cluster the requeued het job would sit pending with Reason=None: kick each second.
     wait_for("restart after requeue", lambda: (out / "start-1").exists(), 90, on_poll=slurm_cluster.kick)
     restart_s = float((out / "start-1").read_text()) - t0

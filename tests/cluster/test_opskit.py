@@ -175,7 +175,7 @@ def _resumed_like_reference(slurm_cluster, sub, reference, since_t: float, step_
     su.wait_done(sub.job_id, sub.run_dir, JOB_TIMEOUT_S, slurm_cluster.kick)
     run = sub.run_dir
     (action,) = su.events(run, "hang_action")
-    assert action["action"] == "requeue" and action["requeue"] == f"scontrol requeue {sub.job_id}", action
+    assert action["action"] == "requeue" and action["requeue"].startswith(f"scontrol requeue {sub.job_id}"), action
     (resume,) = su.events(run, "resume")
     assert resume["restart_count"] == 1 and step_at_fault - INTERVAL <= resume["step"] <= step_at_fault, resume
     assert resume["checkpoint"] == step_dirname(resume["step"])

@@ -47,6 +47,9 @@ def test_a_recent_running_heartbeat_still_refuses(tmp_path):
 
 def test_slurmctld_not_knowing_a_job_is_an_answer_not_a_silence():
     assert parse.job_unknown("slurm_load_jobs error: Invalid job id specified\n")
+    # scontrol requeue's answer (SLURM 22.05) for a job another party requeued a moment before.
+    assert parse.already_pending("Job is pending execution for job 30000029\n")
+    assert not parse.already_pending("slurm_load_jobs error: Invalid job id specified\n")
     assert not parse.job_unknown("slurm_load_jobs error: Unable to contact slurm controller (connect failure)\n")
 
 
