@@ -145,12 +145,16 @@ def exception(root: Path) -> Made:
     return Made(sub.run_dir)
 
 
+FAST_HANG_FAIL = {"heartbeat_interval_s": 0.2, "hang_timeout_s": 3, "watch_interval_s": 0.25, "hang_policy": "fail",
+                  "kill_grace_s": 1.0, "phase_timeouts_s": {"start": 120, "checkpoint": 60}}
+"""The diag section of the hang recordings: a 3 s hang timeout, and the hung ranks ended (no requeue)."""
+
+
 def hang(root: Path) -> Made:
     """Rank 1 stalls in the data phase of step 3 while rank 0 waits in the all-reduce; the node agent dumps
     both and, hang_policy fail, ends them."""
-    diag = {"heartbeat_interval_s": 0.2, "hang_timeout_s": 3, "watch_interval_s": 0.25, "hang_policy": "fail",
-            "kill_grace_s": 1.0, "phase_timeouts_s": {"start": 120, "checkpoint": 60}}
-    sub = submit(toy_config(root / "hang.yaml", steps=100, diag=diag), root / "runs", env={STALL_ENV: "1@3:sleep"})
+    sub = submit(toy_config(root / "hang.yaml", steps=100, diag=FAST_HANG_FAIL), root / "runs",
+                 env={STALL_ENV: "1@3:sleep"})
     assert ended(sub) != "ok"
     return Made(sub.run_dir)
 
@@ -159,9 +163,7 @@ def desync(root: Path) -> Made:
     """Rank 1 skips the loss all_reduce of step 3 (the toy job's RLSLURM_TEST_SKIP_COLLECTIVE): its next
     collective meets rank 0's out of order and both hang inside a collective; the node agent reads both
     flight recorders, names rank 1, the all_reduce and its sequence number, and (policy fail) ends them."""
-    diag = {"heartbeat_interval_s": 0.2, "hang_timeout_s": 3, "watch_interval_s": 0.25, "hang_policy": "fail",
-            "kill_grace_s": 1.0, "phase_timeouts_s": {"start": 120, "checkpoint": 60}}
-    sub = submit(toy_config(root / "desync.yaml", steps=100, diag=diag), root / "runs", env={SKIP_ENV: "1@3"})
+    sub = submit(toy_config(root / "desync.yaml", steps=100, diag=FAST_HANG_FAIL), root / "runs", env={SKIP_ENV: "1@3"})
     assert ended(sub) != "ok"
     return Made(sub.run_dir)
 
