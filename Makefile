@@ -20,4 +20,4 @@ demo: install
 # tests/cluster starts a real local Slurm (root, Debian packages); one that cannot start is an error.
 test: install install-vllm
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -ra -p no:cacheprovider tests
+	$(PY) -m pytest -ra --durations=30 -p no:cacheprovider tests
