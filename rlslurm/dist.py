@@ -119,7 +119,10 @@ def bind_to_node_address(env=None) -> str | None:
         return None
     iface = interface_of(node_address(node))
     if iface is not None:
-        derived = [name for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if name not in e]
+        # A value another process derived for its node (trainer rank 0 starts the other components with srun,
+        # which hands them its environment) is that node's, not the job's: derived again here.
+        inherited = set(filter(None, e.get(NODE_DERIVED_ENV, "").split(",")))
+        derived = [name for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if name not in e or name in inherited]
         for name in derived:
             e[name] = iface
         # Said so in the environment: a value this node worked out for itself may differ between nodes by

@@ -155,6 +155,13 @@ def test_an_interface_each_node_chose_for_itself_is_listed_not_compared(tmp_path
     assert fp["node_derived"] == "GLOO_SOCKET_IFNAME=eth7,NCCL_SOCKET_IFNAME=eth7"
     assert compare(read_fingerprints(run.path), sync_method="broadcast").ok
 
+    # A component started by trainer rank 0's srun inherits its node's choice: derived again on its own node.
+    inherited = {"SLURMD_NODENAME": "rollout-node", "GLOO_SOCKET_IFNAME": "eth7", "NCCL_SOCKET_IFNAME": "eth7",
+                 "RLSLURM_NODE_DERIVED_ENV": "GLOO_SOCKET_IFNAME,NCCL_SOCKET_IFNAME"}
+    assert dist.bind_to_node_address(inherited) == "lo" and inherited["NCCL_SOCKET_IFNAME"] == "lo"
+    set_by_job = {"SLURMD_NODENAME": "rollout-node", "NCCL_SOCKET_IFNAME": "ib0"}
+    assert dist.bind_to_node_address(set_by_job) == "lo" and set_by_job["NCCL_SOCKET_IFNAME"] == "ib0"
+
     monkeypatch.delenv("RLSLURM_NODE_DERIVED_ENV")  # the job (or a node's prolog) set it: compared
     write_fingerprint(run, "rollout", 0)
     assert not compare(read_fingerprints(run.path), sync_method="broadcast").ok
