@@ -63,19 +63,13 @@ from rlslurm.diag.config import DiagConfig
 from rlslurm.diag.heartbeat import label, pid_alive, read_heartbeats, still_unwritable
 from rlslurm.diag.stack_dump import StackDump, collective_in, dump_stack, process_state, top_frame
 from rlslurm.events import HANG_ACTION, HANG_DETECTED, emit
-from rlslurm.lifecycle import ExitCode
+from rlslurm.lifecycle import ExitCode, requeue_job
 from rlslurm.node import node_name
 from rlslurm.rundir import RunDir
 
 log = logging.getLogger("rlslurm.watchdog")
 
 _STOPPED = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
-
-def scontrol_requeue(job_id: str) -> str:
-    """Requeue through the one SLURM seam (rlslurm.slurm.commands), imported only when needed."""
-    from rlslurm.slurm.commands import requeue
-
-    return requeue(str(job_id))
 
 
 def request_drain(run: RunDir, reason: str) -> Path:
@@ -135,7 +129,7 @@ class Watchdog:
 
     def __init__(self, run: RunDir, config: DiagConfig, *, host: str | None = None,
                  clock: Callable[[], float] = time.time, sleep: Callable[[float], object] | None = None,
-                 requeue: Callable[[str], object] = scontrol_requeue,
+                 requeue: Callable[[str], object] = requeue_job,
                  kill: Callable[[int, int], None] = os.kill, dump: Callable[..., StackDump] = dump_stack,
                  job_id: str | None = None, parent_pid: int | None = None,
                  state: Callable[[int], str] = process_state):

@@ -75,11 +75,11 @@ def leader_job_id(env: Mapping[str, str] | None = None) -> str | None:
     return None
 
 
-def requeue_job(job_id: str) -> None:
-    """`scontrol requeue <job_id>` through the one SLURM seam."""
+def requeue_job(job_id: str) -> str:
+    """`scontrol requeue <job_id>` through the one SLURM seam; what happened (commands.requeue)."""
     from rlslurm.slurm import commands  # only jobs on SLURM get here
 
-    commands.requeue(job_id)
+    return commands.requeue(job_id)
 
 
 @dataclass(frozen=True)
@@ -166,7 +166,7 @@ def agree_on_start(run: RunDir, *, is_main: bool, max_no_progress_restarts: int,
 
 def finish_drain(run: RunDir, *, step: int, reason: str | None, signal_name: str | None,
                  save: Callable[[], str | None], cost_s: float, time_left_s: float | None, is_leader: bool,
-                 requeue: Callable[[str], None] = requeue_job, env: Mapping[str, str] | None = None,
+                 requeue: Callable[[str], object] = requeue_job, env: Mapping[str, str] | None = None,
                  margin: float = 1.5) -> ExitCode:
     """After the in-flight step: checkpoint (if it fits), requeue through the leader, return DRAINED.
 
