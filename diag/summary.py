@@ -13,7 +13,8 @@ Event kinds read (declared in rlslurm/events.py, emitted where the failure happe
 controller's check before the first sync), phase_failed (diag/guard.py), hang_detected (diag/watchdog.py;
 a desync when its collective records show a rank that skipped or took another collective),
 sync_verify_failed / sync_failed (rlslurm/sync/protocol.py), engine_failed (the controller's engine
-calls), reward_service_down (rlslurm/reward/supervisor.py), heartbeat_unwritable / heartbeat_restored
+calls), engine_died / engine_unhealthy / engine_down (an engine's supervisor, rlslurm/rollout/supervisor.py:
+an engine crash or hang), reward_service_down (rlslurm/reward/supervisor.py), heartbeat_unwritable / heartbeat_restored
 (diag/heartbeat.py) and node_agent_died (diag/agent.py): the ops kit's own failures, done / sft_finished,
 start / resume. SLURM's
 state and the log tails cover what no process lives to say (OOM kill, node failure, time limit,
@@ -50,7 +51,7 @@ class Facts:
 @dataclass
 class Cause:
     kind: str
-    """oom, desync, hang, sync_failure, engine_crash, reward_down, node_failure, time_limit, preempted,
+    """oom, desync, hang, sync_failure, engine_crash, engine_hang, reward_down, node_failure, time_limit, preempted,
     env_mismatch, exception, heartbeat_unwritable, agent_died, running, finished, unknown."""
     headline: str
     evidence: list[str] = field(default_factory=list)
@@ -139,18 +140,8 @@ def classify(facts: Facts) -> list[Cause]:
         if who.get("verdict") == "behind":
             head += f" ({who.get('message')})"
         causes.append(Cause("hang", head, evidence))
-    # An engine that died fails the step's rollout or the sync stage in flight: name the engine first.
-    engine = ev.select(now_events, ev.ENGINE_FAILED)
-    hit = _grep(facts.logs, _ENGINE, lambda n: "rollout" in n or "engine" in n)
-    if engine:
-        e = engine[0]
-        where = ", ".join(f"{k.replace('_', ' ')} {e[k]}" for k in ("node", "pid", "exit_code")
-                          if e.get(k) is not None)
-        causes.append(Cause("engine_crash", f"rollout engine crash: {e.get('url')}{f' ({where})' if where else ''}: "
-                            f"{e.get('cause')}",
-                            [f"engine log: {e['log']}"] if e.get("log") else []))
-    elif hit:
-        causes.append(Cause("engine_crash", f"rollout engine crash: {hit[0]}: {hit[1].group(0)}"))
+    # An engine that died or hung fails the step's rollout or the sync stage in flight: name the engine first.
+    causes += engine_causes(now_events, facts.logs)
     for e in ev.select(now_events, ev.SYNC_VERIFY_FAILED)[-1:]:
         bad = e.get("mismatches") or [{}]
         first = bad[0]
@@ -220,10 +211,57 @@ def classify(facts: Facts) -> list[Cause]:
         causes.insert(0, Cause("finished", "finished OK" + clean))
     if not causes:
         causes.append(Cause("unknown", f"no cause found (SLURM state {state or 'unknown'}); read the log tails"))
+    for e in ev.select(now_events, ev.ENGINE_DIED, ev.ENGINE_UNHEALTHY):
+        if causes[0].kind not in ("engine_crash", "engine_hang"):  # replaced in the allocation: the job went on
+            causes[0].evidence.append(f"engine {e.get('engine')} {_verdict(e)}; replaced by its supervisor")
     for e in ev.select(earlier, ev.HANG_DETECTED, ev.PHASE_FAILED, ev.ENGINE_FAILED, ev.SYNC_VERIFY_FAILED,
                        ev.REWARD_SERVICE_DOWN, ev.DRAINED):
         causes[0].evidence.append(f"earlier attempt: {e.get('kind')} {_said(e)}".rstrip())
     return causes
+
+
+def _verdict(e: dict) -> str:
+    """What an engine's supervisor found: died (exit code) or hung (its health-check verdict)."""
+    where = f"on {e.get('node')}, pid {e.get('pid')}"
+    if ev.ENGINE_UNHEALTHY.matches(e):
+        return f"hung ({where}, process state {e.get('process_state')}): {e.get('cause')}"
+    return f"died ({where}, exit code {e.get('exit_code')})"
+
+
+def engine_causes(now_events: list[dict], logs: dict[str, str]) -> list[Cause]:
+    """A rollout engine that failed the job, as a crash or a hang: from its supervisor's verdicts
+    (engine_died / engine_unhealthy, rlslurm/rollout/supervisor.py) when there are any, its giving up past
+    rollout.max_restarts (engine_down), the controller's engine_failed, else an engine's log."""
+    verdicts = ev.select(now_events, ev.ENGINE_DIED, ev.ENGINE_UNHEALTHY)
+    down = ev.select(now_events, ev.ENGINE_DOWN)
+    failed = ev.select(now_events, ev.ENGINE_FAILED)
+    if down:
+        e = down[-1]
+        last = [v for v in verdicts if v.get("engine") == e.get("engine")][-1:]
+        kind = "engine_hang" if last and ev.ENGINE_UNHEALTHY.matches(last[0]) else "engine_crash"
+        said = _verdict(last[0]) if last else e.get("reason")
+        what = "hang" if kind == "engine_hang" else "crash"
+        return [Cause(kind, f"rollout engine {what}: engine {e.get('engine')} on {e.get('node')} down past "
+                      f"rollout.max_restarts = {e.get('max_restarts')} ({e.get('restarts')} replacements); "
+                      f"last: {said}", [f"engine log: {e.get('log')}"])]
+    if failed:
+        e = failed[0]
+        hung = [v for v in verdicts if ev.ENGINE_UNHEALTHY.matches(v) and v.get("url") == e.get("url")
+                and float(v.get("t") or 0) <= float(e.get("t") or 0)]
+        if hung:  # its supervisor killed it for hanging; that is what the controller's call then met
+            v = hung[-1]
+            return [Cause("engine_hang", f"rollout engine hang: {e.get('url')} (engine {v.get('engine')}, node "
+                          f"{v.get('node')}, pid {v.get('pid')}, process state {v.get('process_state')}): "
+                          f"{v.get('cause')}; then {e.get('call') or 'a call'} failed: {e.get('cause')}",
+                          [f"engine log: {v.get('log')}"] if v.get("log") else [])]
+        where = ", ".join(f"{k.replace('_', ' ')} {e[k]}" for k in ("node", "pid", "exit_code")
+                          if e.get(k) is not None)
+        return [Cause("engine_crash", f"rollout engine crash: {e.get('url')}{f' ({where})' if where else ''}: "
+                      f"{e.get('cause')}", [f"engine log: {e['log']}"] if e.get("log") else [])]
+    hit = _grep(logs, _ENGINE, lambda n: "rollout" in n or "engine" in n)
+    if hit:
+        return [Cause("engine_crash", f"rollout engine crash: {hit[0]}: {hit[1].group(0)}")]
+    return []
 
 
 def ops_causes(now_events: list[dict]) -> list[Cause]:

@@ -165,6 +165,33 @@ FAULT_INJECTED = declare("fault_injected", "a test hook of the toy job injected 
 ENGINE_FAILED = declare("engine_failed", "a rollout engine failed the job: a request it failed (connection lost, "
                         "HTTP error, no answer in time) or its process died", by="rlslurm/rl/engines.py",
                         required=("url", "cause"), optional=("call", "node", "pid", "exit_code", "status", "log"))
+ENGINE_DIED = declare("engine_died", "a rollout engine's server process exited while the job ran; its supervisor "
+                      "replaces it (rollout.max_restarts)", by="rlslurm/rollout/supervisor.py",
+                      required=("engine", "node", "pid", "exit_code", "url"), optional=("signal", "log"))
+ENGINE_UNHEALTHY = declare("engine_unhealthy", "a rollout engine gave no healthy /health answer for "
+                           "rollout.hang_timeout_s (a stopped or wedged process): its supervisor killed it to "
+                           "replace it", by="rlslurm/rollout/supervisor.py",
+                           required=("engine", "node", "pid", "cause", "unhealthy_s", "url"),
+                           optional=("process_state", "log"))
+ENGINE_RESTARTED = declare("engine_restarted", "a replaced rollout engine serves again (same URL, a new "
+                           "generation); it takes traffic once the controller synced and verified it",
+                           by="rlslurm/rollout/supervisor.py",
+                           required=("engine", "node", "pid", "generation", "url", "reason", "start_s"),
+                           informational=True)
+ENGINE_START_FAILED = declare("engine_start_failed", "a restart of a rollout engine did not become healthy; the "
+                              "supervisor tries again within its budget", by="rlslurm/rollout/supervisor.py",
+                              required=("engine", "attempt", "error"), informational=True)
+ENGINE_DOWN = declare("engine_down", "a rollout engine failed past rollout.max_restarts: its supervisor gave up "
+                      "and the job fails as an engine failure", by="rlslurm/rollout/supervisor.py",
+                      required=("engine", "node", "restarts", "max_restarts", "reason", "log"))
+ENGINE_OUT = declare("engine_out", "the controller took a failed rollout engine out of rotation mid-step; its "
+                     "prompts went to the engines left", by="rlslurm/rl/engines.py",
+                     required=("engine", "url", "cause", "resent"), optional=("call", "node", "pid", "status"),
+                     informational=True)
+ENGINE_READMITTED = declare("engine_readmitted", "a replaced rollout engine passed a weight sync's VERIFY at the "
+                            "current version and takes traffic again", by="rlslurm/rl/engines.py",
+                            required=("engine", "url", "version", "generation"), optional=("step",),
+                            informational=True)
 SYNC_VERIFIED = declare("sync_verified", "a weight sync passed VERIFY and the engines serve `version`",
                         by="rlslurm/sync/protocol.py", required=("version", "transport"), optional=("step",),
                         open_fields=True)

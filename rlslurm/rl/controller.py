@@ -18,7 +18,7 @@ import dataclasses
 import os
 import random
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import torch
@@ -122,38 +122,72 @@ class Controller:
         return rng.sample(self.train_set, self.job.rl.prompts_per_step)
 
     def rollout(self, problems: list[Problem], step: int, guard: PhaseGuard,
-                on_choices=None) -> tuple[list[dict], list[float]]:
-        """k samples per prompt from the engines, all asked at once (a step's rollout takes the slowest
-        engine's time, not their sum); prompts split across engines in a fixed order. `on_choices(batch)`
+                on_choices=None, stats: dict | None = None) -> tuple[list[dict], list[float]]:
+        """k samples per prompt from the engines in rotation, all asked at once (a step's rollout takes the
+        slowest engine's time, not their sum); prompts split across engines in a fixed order. `on_choices(batch)`
         gets each engine's responses in this thread as they arrive, so the reward service scores them
         while the other engines still generate. Returns the choices in prompt order and each engine's
-        seconds for its share."""
-        cfg, n_eng, k = self.job.rollout, len(self.engines.clients), self.job.rl.samples_per_prompt
-        shares = {i: [self.format.text(p.prompt) for j, p in enumerate(problems) if j % n_eng == i]
-                  for i in range(n_eng)}
+        seconds for its share; `stats["prompts_resent"]` counts the prompts of failed requests.
 
-        def ask(i: int) -> tuple[int, dict, float]:
+        Failover: a request that fails (refused, reset, timed out, an HTTP error, an answer from a replaced
+        engine) takes its engine out of rotation (Engines.take_out) and its prompts go to the engines left,
+        with seeds of their own; the step completes with every sample it asked for. No engine left: the
+        last error is raised, and the job fails naming that engine (engine_failed), as before."""
+        from rlslurm.rollout.client import EngineRequestError
+
+        cfg, k, engines = self.job.rollout, self.job.rl.samples_per_prompt, self.engines
+        engines.check_down()
+        texts = [self.format.text(p.prompt) for p in problems]
+
+        def ask(i: int, share: list[int], attempt: int) -> tuple[dict, float]:
             t = time.monotonic()
-            out = self.engines.clients[i].completions(shares[i], n=k, max_tokens=cfg.max_new_tokens,
-                                                      temperature=cfg.temperature,
-                                                      seed=self.job.train.seed * 7919 + step * 31 + i)
-            return i, out, time.monotonic() - t
+            # The first attempt's seed is (seed, step, engine) as before failover existed: runs without a
+            # failure sample what they sampled then.
+            out = engines.clients[i].completions([texts[j] for j in share], n=k, max_tokens=cfg.max_new_tokens,
+                                                 temperature=cfg.temperature,
+                                                 seed=self.job.train.seed * 7919 + step * 31 + i + 1_000_003 * attempt)
+            return out, time.monotonic() - t
 
         choices: list[dict] = []
-        engine_s = [0.0] * n_eng
-        asked = [i for i in range(n_eng) if shares[i]]
-        # One thread per engine: each waits on its HTTP answer; a failed request raises here after the
-        # others answered (or hit rollout.request_timeout_s).
-        with ThreadPoolExecutor(max_workers=max(1, len(asked)), thread_name_prefix="rollout") as pool:
-            for done in as_completed([pool.submit(ask, i) for i in asked]):
-                i, out, engine_s[i] = done.result()
-                guard.beat()
-                # back to prompt order: engine i holds prompts i, i + n_eng, ...
-                batch = [{**c, "engine": i, "prompt_index": (m // k) * n_eng + i}
-                         for m, c in enumerate(out["choices"])]
-                if on_choices is not None:
-                    on_choices(batch)
-                choices.extend(batch)
+        engine_s = [0.0] * len(engines.clients)
+        resent = 0
+        # One thread per engine request: each waits on its HTTP answer.
+        with ThreadPoolExecutor(max_workers=max(1, len(engines.clients)), thread_name_prefix="rollout") as pool:
+            pending: dict = {}
+
+            def assign(prompts: list[int], attempt: int) -> None:
+                live = engines.admitted()  # engine live[p] holds prompts p, p + len(live), ...
+                for p, i in enumerate(live):
+                    if prompts[p::len(live)]:
+                        share = prompts[p::len(live)]
+                        pending[pool.submit(ask, i, share, attempt)] = (i, share, attempt)
+
+            assign(list(range(len(problems))), 0)
+            while pending:
+                done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
+                for future in done:
+                    i, share, attempt = pending.pop(future)
+                    try:
+                        out, seconds = future.result()
+                        engines.check_served(i, out)
+                    except EngineRequestError as e:
+                        engines.take_out(i, e, resent=len(share))
+                        if not engines.admitted():
+                            raise
+                        resent += len(share)
+                        assign(share, attempt + 1)
+                        continue
+                    engine_s[i] += seconds
+                    guard.beat()
+                    # index: the sample's place in the step (prompt, then its k samples), so that a response's id
+                    # (engine:index, experience.choice_id) stays unique when an engine answers a re-sent share too.
+                    batch = [{**c, "engine": i, "prompt_index": share[m // k], "index": share[m // k] * k + m % k}
+                             for m, c in enumerate(out["choices"])]
+                    if on_choices is not None:
+                        on_choices(batch)
+                    choices.extend(batch)
+        if stats is not None:
+            stats["prompts_resent"] = resent
         return sorted(choices, key=lambda c: (c["prompt_index"], c["index"])), engine_s
 
     def reward_item(self, problems: list[Problem], choice: dict):
@@ -198,9 +232,40 @@ class Controller:
         t = time.monotonic()
         self.pipeline.before_sync(step, guard)
         waited_s = time.monotonic() - t
-        metrics = self.sync.sync(weights, version=version, step=step).metrics()
+        metrics = self.sync_engines(weights, step=step, version=version)
         self.pipeline.synced(step)
         return {**metrics, "sync_wait_rollout_s": waited_s}
+
+    def sync_engines(self, weights: dict[str, torch.Tensor], *, step: int, version: int) -> dict:
+        """One sync over the engines in rotation and the replaced ones that serve again: a replacement is
+        readmitted only once this sync's VERIFY passed on it. An engine that fails a stage (died, hung and
+        killed by its supervisor) is taken out and the sync made again over the rest; the last engine's
+        failure fails the job as before."""
+        from rlslurm.sync.protocol import SyncStageError
+
+        self.engines.check_down()
+        back = self.engines.returning()
+        members = sorted(self.engines.admitted() + back)
+        if back:
+            # A replacement listens at its predecessor's URL but is a new peer: a broadcast group is formed
+            # again (a new generation) rather than reused.
+            self.transport.close()
+        while True:
+            try:
+                report = self.sync.sync(weights, version=version, step=step,
+                                        engines=[self.engines.clients[i] for i in members])
+                break
+            except SyncStageError as e:
+                cause = self.engines.culprit(e)
+                urls = [self.engines.clients[i].url for i in members]
+                if cause is None or cause.url not in urls or len(members) == 1:
+                    raise
+                i = members.pop(urls.index(cause.url))
+                self.engines.take_out(i, cause, resent=0)
+                self.transport.close()
+        self.engines.version = version
+        self.engines.readmit([i for i in back if i in members], version, step)
+        return report.metrics()
 
     def experience_buffer(self, step: int, guard: PhaseGuard) -> list[dict]:
         """The experience made ahead of step boundary `step` (rl.max_staleness > 0), for the RL state of a
@@ -233,11 +298,11 @@ class Controller:
                 scoring.submit([self.reward_item(problems, c) for c in batch],
                                on_outcomes=lambda outcomes: assembler.add_rewards({o.id: o.score for o in outcomes}))
 
-        t = time.monotonic()
+        t, failover = time.monotonic(), {}
         with guard.phase("rollout", step=step):
-            choices, engine_s = self.rollout(problems, step, guard, on_choices=arrived)
+            choices, engine_s = self.rollout(problems, step, guard, on_choices=arrived, stats=failover)
         return {"step": step, "choices": choices, "assembler": assembler, "scoring": scoring,
-                "rollout_s": time.monotonic() - t, "rollout_engine_s": engine_s}
+                "rollout_s": time.monotonic() - t, "rollout_engine_s": engine_s, **failover}
 
     def _finish_step(self, flight: dict, guard) -> Experience:
         """The rest of a step: the rewards the rollout did not hide, the last groups' advantages, stats."""
@@ -261,14 +326,26 @@ class Controller:
         stats = {"rollout_s": flight["rollout_s"], "rollout_engine_s": flight["rollout_engine_s"], "reward_s": reward_s,
                  "reward_mean": sum(scored) / max(len(scored), 1), "samples": len(choices),
                  "effective_samples": len(samples), "zero_variance_groups": dropped, "generated_tokens": tokens,
-                 "tokens_per_s": tokens / max(flight["rollout_s"], 1e-9), **reward_stats}
+                 "tokens_per_s": tokens / max(flight["rollout_s"], 1e-9), **reward_stats,
+                 "prompts_resent": flight.get("prompts_resent", 0), **self.engines.metrics()}
         return Experience(samples, stats, versions)
 
     def evaluate(self) -> float:
-        """Greedy held-out accuracy of the policy the engines serve now."""
-        client = self.engines.clients[0]
-        out = client.completions([self.format.text(p.prompt) for p in self.held_out], n=1, temperature=0.0,
-                                 max_tokens=self.job.rollout.max_new_tokens)
+        """Greedy held-out accuracy of the policy the engines serve now: asked of the first engine in rotation;
+        one that fails is taken out and the next one asked (none left: the last error fails the job)."""
+        from rlslurm.rollout.client import EngineRequestError
+
+        prompts = [self.format.text(p.prompt) for p in self.held_out]
+        while True:
+            i = self.engines.admitted()[0]
+            try:
+                out = self.engines.clients[i].completions(prompts, n=1, temperature=0.0,
+                                                          max_tokens=self.job.rollout.max_new_tokens)
+                self.engines.check_served(i, out)
+                break
+            except EngineRequestError as e:
+                self.engines.take_out(i, e, resent=len(prompts))
+                if not self.engines.admitted():
+                    raise
         correct = sum(self.format.score(p, c["text"]) for p, c in zip(self.held_out, out["choices"]))
         return correct / len(self.held_out)
-

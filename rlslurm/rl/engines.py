@@ -35,60 +35,158 @@ log = logging.getLogger(__name__)
 
 class Engines:
     """The rollout engines the controller talks to: announced by the rollout het component (separate
-    placement on SLURM), or spawned here beside rank 0 (colocated, or any run off SLURM)."""
+    placement on SLURM), or spawned here beside rank 0 (colocated, or any run off SLURM), each under its
+    supervisor (rlslurm/rollout/supervisor.py), which replaces a dead or hung engine at the same URL.
+
+    Failover (issue 19): an engine whose request fails is taken out of rotation (`take_out`, event
+    `engine_out`) and the controller sends its prompts to the others; at the next weight sync an engine its
+    supervisor replaced (`returning`) is synced with the others and VERIFIED, and only then takes traffic
+    again (`readmit`, event `engine_readmitted`). An engine its supervisor gave up on (`engine_down`, past
+    rollout.max_restarts), or none left, fails the job as before (engine_failed, exit 6)."""
 
     def __init__(self, job: JobConfig, layout: JobLayout, run: RunDir, model_dir: Path):
-        from rlslurm.rollout.client import EngineClient, EngineRequestError, spawn_engine
+        from rlslurm.rollout.client import EngineClient, EngineRequestError
+        from rlslurm.rollout.supervisor import EngineSupervisor, endpoint_path
 
-        self.run = run
-        self.processes = []
+        self.run, self.job = run, job
+        self.supervisors: list[EngineSupervisor] = []
         secret_file = secret.ensure(run.secret)  # made at submit; a run directory made by hand gets one here
+        token = secret.read(secret_file)
         self.identity: dict[str, dict] = {}  # url -> node, pid, log: what an `engine_failed` event names
         if layout.engines_from_component:
             urls = wait_for_endpoints(run, layout.engines, job.rollout.request_timeout_s,
                                       job_id=lifecycle.leader_job_id(), restart_count=lifecycle.restart_count())
-            announced = {r.get("url"): r for r in map(_read_json, (run.path / "endpoints").glob("engine-*.json"))}
-            self.identity = {url: {"node": announced.get(url, {}).get("node"), "pid": announced.get(url, {}).get("pid"),
-                                   "log": str(run.logs / "rollout-*.log")} for url in urls}
-            token = secret.read(secret_file)
-            self.clients = [EngineClient(url, job.rollout.request_timeout_s, token=token) for url in urls]
-            try:
-                for client in self.clients:  # an engine announces itself before its server listens
-                    client.wait_ready(job.rollout.request_timeout_s)
-            except EngineRequestError as e:
-                self.failed(e)
-                raise
+            announced = {_read_json(path).get("url"): path for path in (run.path / "endpoints").glob("engine-*.json")}
+            self.files = [announced[url] for url in urls]
         else:
             node = node_name()
+            self.files = [endpoint_path(run, i) for i in range(layout.engines)]
             for i in range(layout.engines):
-                port, log_path = free_port(), run.logs / f"engine-{i}.log"
-                self.identity[f"http://127.0.0.1:{port}"] = {"node": node, "log": str(log_path)}
                 # Its own GPUs (the layout's positions among rank 0's) and the job's network environment.
                 gpus = spawned_engine_env(layout, i)
+                sup = EngineSupervisor(i, engine_launch(job, run, i, model_dir, host="127.0.0.1", env=gpus),
+                                       job.rollout, run=run, node=node, stamp=_stamp())
                 try:
-                    proc = spawn_engine(model_dir, port=port, log_path=log_path, secret_file=secret_file,
-                                        extra_args=engine_args(job) + engine_limits(job),
-                                        env={"RLSLURM_RUN_DIR": str(run.path), "RLSLURM_ROLE": "rollout",
-                                             "RLSLURM_RANK": str(i),
-                                             # the vLLM engine's share of a GPU (rollout/vllm_engine.py)
-                                             "RLSLURM_GPU_MEMORY_UTILIZATION": str(job.rollout.gpu_memory_utilization),
-                                             **network_env(job.network), **gpus},
-                                        timeout_s=job.rollout.request_timeout_s,
-                                        engine=job.rollout.engine, python=job.rollout.python)
+                    sup.start()
                 except EngineRequestError as e:
+                    self.identity[sup.url] = {"node": node, "log": str(sup.spec.log_path)}
                     self.failed(e)
                     self.stop()  # the engines started before it
                     raise
-                self.identity[proc.url]["pid"] = proc.proc.pid
-                self.processes.append(proc)
+                self.supervisors.append(sup)
                 # A spawned engine is no SLURM task of its own, so it is recorded here: on SLURM this is
                 # where a colocated engine shows it shares the trainer's node.
                 run.append_json(run.path / "placement.jsonl", {
                     "t": time.time(), "role": "rollout", "rank": i, "node": node,
                     "partition": os.environ.get("SLURM_JOB_PARTITION"), "job_id": lifecycle.leader_job_id(),
-                    "restart_count": lifecycle.restart_count(), "pid": proc.proc.pid, "colocated": True,
+                    "restart_count": lifecycle.restart_count(), "pid": sup.pid, "colocated": True,
                     "cuda_visible_devices": gpus[CVD], "gpus": visible_gpus(gpus)})
-            self.clients = [p.client for p in self.processes]
+            urls = [sup.url for sup in self.supervisors]
+        for url, path in zip(urls, self.files):
+            record = _read_json(path)
+            self.identity[url] = {"node": record.get("node"), "pid": record.get("pid"),
+                                  "log": record.get("log") or str(run.logs / "rollout-*.log")}
+        self.clients = [EngineClient(url, job.rollout.request_timeout_s, token=token) for url in urls]
+        self.live = [True] * len(self.clients)
+        self.generations = [int(_read_json(path).get("generation") or 0) for path in self.files]
+        self.version: int | None = None  # what every engine in rotation serves since the last sync
+        try:
+            for client in self.clients:  # an announced engine announces itself before its server listens
+                client.wait_ready(job.rollout.request_timeout_s)
+        except EngineRequestError as e:
+            self.failed(e)
+            self.stop()
+            raise
+
+    @property
+    def processes(self):
+        """The spawned engines' server processes (rollout/client.py EngineProcess), as they are now."""
+        return [sup.process for sup in self.supervisors if sup.process is not None]
+
+    def admitted(self) -> list[int]:
+        """Indices of the engines in rotation, in order."""
+        return [i for i, live in enumerate(self.live) if live]
+
+    def record(self, i: int) -> dict:
+        """Engine i's announcement (rollout/supervisor.py): url, node, pid, generation, state."""
+        return _read_json(self.files[i])
+
+    def check_down(self) -> None:
+        """Raise EngineRequestError (-> engine_failed, exit 6) for an engine whose supervisor gave up."""
+        from rlslurm.rollout.client import EngineRequestError
+
+        for i, path in enumerate(self.files):
+            record = _read_json(path)
+            if record.get("state") == "down":
+                url = self.clients[i].url
+                raise EngineRequestError(f"engine {url}: down: its supervisor gave up on it past rollout.max_restarts "
+                                         f"= {self.job.rollout.max_restarts} (events engine_down; log "
+                                         f"{record.get('log')})", url=url, call="supervise")
+
+    def check_served(self, i: int, answer: dict) -> None:
+        """An answer stamped with another policy version than the last sync's comes from an engine replaced
+        since (a fresh server serves the initial weights): raise, so its prompts go elsewhere."""
+        from rlslurm.rollout.client import EngineRequestError
+
+        served = answer.get("policy_version")
+        if self.version is not None and served != self.version:
+            url = self.clients[i].url
+            raise EngineRequestError(f"engine {url}: answered with policy version {served}, not {self.version} of "
+                                     "the last sync: it was replaced since", url=url, call="POST /v1/completions")
+
+    def take_out(self, i: int, error: BaseException, *, resent: int) -> None:
+        """Engine i failed a request: out of rotation until a sync readmits it (event `engine_out`)."""
+        self.live[i] = False
+        url = self.clients[i].url
+        fields = {k: v for k, v in self.identity.get(url, {}).items() if k in ("node", "pid") and v is not None}
+        for k in ("call", "status"):
+            if getattr(error, k, None) is not None:
+                fields[k] = getattr(error, k)
+        said = str(error).removeprefix(f"engine {url}: ").splitlines()[0][:500]
+        log.warning("engine %d (%s) out of rotation, %d prompts re-sent: %s", i, url, resent, said)
+        events.emit(self.run, events.ENGINE_OUT, role="controller", engine=i, url=url, cause=said, resent=resent,
+                    **fields)
+
+    def returning(self, poll_s: float = 0.2) -> list[int]:
+        """Engines out of rotation that serve again (replaced by their supervisor, or answering /health): the
+        next sync takes them along. Waits (bounded by rollout.request_timeout_s) while a supervisor has not
+        decided yet: it replaces a dead engine within seconds, a hung one within rollout.hang_timeout_s."""
+        from rlslurm.rollout.client import EngineRequestError
+
+        back = []
+        for i in [i for i, live in enumerate(self.live) if not live]:
+            deadline = time.monotonic() + self.job.rollout.request_timeout_s
+            while time.monotonic() < deadline:
+                record = self.record(i)
+                if record.get("state") == "down":
+                    break  # check_down fails the job
+                if record.get("state") == "serving":
+                    try:
+                        self.clients[i].health(timeout_s=2.0)
+                        back.append(i)
+                        break
+                    except EngineRequestError:
+                        pass
+                time.sleep(poll_s)
+            else:
+                log.warning("engine %d (%s) is not back after %.0f s: it stays out of rotation", i,
+                            self.clients[i].url, self.job.rollout.request_timeout_s)
+        return back
+
+    def readmit(self, indices: list[int], version: int, step: int | None) -> None:
+        """Engines a sync to `version` just verified: in rotation again (event `engine_readmitted`)."""
+        for i in indices:
+            record = self.record(i)
+            self.live[i] = True
+            self.generations[i] = int(record.get("generation") or 0)
+            self.identity[self.clients[i].url].update(pid=record.get("pid"))
+            events.emit(self.run, events.ENGINE_READMITTED, role="controller", engine=i, url=self.clients[i].url,
+                        version=version, generation=self.generations[i], **({} if step is None else {"step": step}))
+
+    def metrics(self) -> dict:
+        """Per step: engines in rotation, replacements of all engines so far."""
+        restarts = sum(int(self.record(i).get("generation") or 0) for i in range(len(self.clients)))
+        return {"engines_alive": sum(self.live), "engine_restarts": restarts}
 
     def drain(self, timeout_s: float) -> None:
         """The engines' part of a job drain: refuse new prompts, finish the ones in flight (bounded).
@@ -99,7 +197,8 @@ class Engines:
         from rlslurm.rollout.client import EngineRequestError
 
         states = {}
-        for client in self.clients:
+        for i in self.admitted():
+            client = self.clients[i]
             try:
                 answer = client.drain(timeout_s)
                 states[client.url] = {"state": answer["state"], "waited_s": round(answer["waited_s"], 3),
@@ -108,16 +207,22 @@ class Engines:
                 states[client.url] = {"state": "unknown", "error": str(e)}
         events.emit(self.run, events.ENGINES_DRAINED, role="controller", engines=states)
 
-    def failed(self, error: BaseException) -> bool:
-        """Say which engine failed the job (event `engine_failed`: url, node, pid, exit code, log, the call
-        and what came back) when `error` is an engine's (an EngineRequestError, or raised from one: a sync
-        stage, the experience pipeline) or a spawned engine process has exited; False when neither."""
+    def culprit(self, error: BaseException):
+        """The EngineRequestError naming an engine behind `error` (raised from one: a sync stage, the
+        experience pipeline), or None."""
         from rlslurm.rollout.client import EngineRequestError
 
         cause: BaseException | None = error
         while cause is not None and not (isinstance(cause, EngineRequestError) and cause.url):
             cause = cause.__cause__ or cause.__context__
-        exited = {p.url: p.proc.poll() for p in self.processes if p.proc.poll() is not None}
+        return cause
+
+    def failed(self, error: BaseException) -> bool:
+        """Say which engine failed the job (event `engine_failed`: url, node, pid, exit code, log, the call
+        and what came back) when `error` is an engine's (an EngineRequestError, or raised from one: a sync
+        stage, the experience pipeline) or a spawned engine process has exited; False when neither."""
+        cause = self.culprit(error)
+        exited = {sup.url: sup.exit_code(sup.pid) for sup in self.supervisors if sup.exit_code(sup.pid) is not None}
         if cause is not None:  # its message without the "engine <url>: " it starts with (the event has the url)
             url, call, said = cause.url, cause.call, str(cause).removeprefix(f"engine {cause.url}: ")
         elif exited:
@@ -125,8 +230,9 @@ class Engines:
         else:
             return False
         fields = {k: v for k, v in self.identity.get(url, {}).items() if v is not None}
-        if url in exited:
-            fields["exit_code"] = exited[url]
+        code = next((sup.exit_code(fields.get("pid")) for sup in self.supervisors if sup.url == url), None)
+        if code is not None:
+            fields["exit_code"] = code
         if call is not None:
             fields["call"] = call
         if getattr(cause, "status", None) is not None:
@@ -137,10 +243,15 @@ class Engines:
         return True
 
     def stop(self) -> None:
-        for proc in self.processes:
-            proc.stop()
+        for sup in self.supervisors:
+            sup.stop()
         for client in getattr(self, "clients", []):
             client.close()
+
+
+def _stamp() -> dict:
+    """Which start of the job an announcement belongs to: a requeued job must not take a previous start's URL."""
+    return {"job_id": lifecycle.leader_job_id(), "restart_count": lifecycle.restart_count()}
 
 
 def _read_json(path: Path) -> dict:
@@ -162,6 +273,26 @@ def engine_limits(job: JobConfig) -> list[str]:
     asks: k samples of a whole step's prompts, or the held-out set at once), its deadline and stall timeout."""
     return job.rollout.server_args(samples_per_prompt=job.rl.samples_per_prompt,
                                    prompts_per_request=job.rl.prompts_per_step, eval_prompts=job.task.eval_size)
+
+
+def engine_launch(job: JobConfig, run: RunDir, index: int, model_dir: Path, *, host: str,
+                  env: dict[str, str] | None = None):
+    """How engine `index` of the job is started, the same by the controller (spawned engines) and by the
+    rollout component (rlslurm/rl/roles.py): flags, limits, phase guard (role rollout, rank `index`), the
+    job's secret, network environment and engine."""
+    from rlslurm.rollout.supervisor import EngineLaunch
+
+    guard = ["--run-dir", str(run.path), "--rank", str(index),
+             "--heartbeat-interval-s", f"{job.diag.heartbeat_interval_s:g}",
+             "--phase-timeout-s", f"{job.diag.timeout_for('rollout'):g}"]
+    return EngineLaunch(model_dir=model_dir, host=host, port=free_port(), log_path=run.logs / f"engine-{index}.log",
+                        secret_file=run.secret, args=(*engine_args(job), *engine_limits(job), *guard),
+                        env={"RLSLURM_RUN_DIR": str(run.path), "RLSLURM_ROLE": "rollout", "RLSLURM_RANK": str(index),
+                             # the vLLM engine's share of a GPU (rollout/vllm_engine.py)
+                             "RLSLURM_GPU_MEMORY_UTILIZATION": str(job.rollout.gpu_memory_utilization),
+                             **network_env(job.network), **(env or {})},
+                        engine=job.rollout.engine, python=job.rollout.python,
+                        ready_timeout_s=job.rollout.request_timeout_s, request_timeout_s=job.rollout.request_timeout_s)
 
 
 def wait_for_endpoints(run: RunDir, count: int, timeout_s: float, *, job_id: str | None, restart_count: int,

@@ -178,7 +178,7 @@ class Loop:
             return
         with self.guard.phase("sync", step=self.step):
             controller.check_env()
-            controller.sync.sync(self.policy.weights(), version=self.version, step=self.step)
+            controller.sync_engines(self.policy.weights(), version=self.version, step=self.step)
         if "eval_history" not in self.rl_state:
             self.rl_state["eval_history"] = [[self.step, controller.evaluate()]]
             events.emit(self.run_dir, events.EVAL, step=self.step,

@@ -10,11 +10,9 @@ trainer's rank 0 stops its component.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -22,36 +20,47 @@ from pathlib import Path
 from rlslurm import lifecycle
 from rlslurm.config import JobConfig
 from rlslurm.diag.env_diff import write_fingerprint
-from rlslurm.dist import free_port
 from rlslurm.errors import RlslurmError
 from rlslurm.node import node_name
 from rlslurm.rl.controller import reward_config, reward_env
-from rlslurm.rl.engines import engine_args, engine_limits
+from rlslurm.rl.engines import engine_launch
 from rlslurm.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
 
 def run_engine(job: JobConfig, run_dir: str | Path) -> int:
-    """One rollout engine server of the rollout het component; announces its URL in <run>/endpoints/.
+    """One supervised rollout engine server of the rollout het component (engine index = SLURM_PROCID);
+    its supervisor (rlslurm/rollout/supervisor.py, the same as the controller's for spawned engines)
+    announces its URL in <run>/endpoints/engine-<index>.json and replaces it when it dies or hangs, within
+    rollout.max_restarts.
 
     Lifecycle: it serves until the trainer's rank 0 stops the component (SIGTERM to its tasks, see
     hetjob.ComponentStep.stop) or SLURM ends the job (requeue, cancel: SIGTERM too); either way the work
-    in flight is dropped (its callers get 503) and the engine exits 0 within seconds. A drain reaches it as
-    the controller's /admin/drain (Engines.drain), not as a signal of its own. It listens on the node's
-    address (the one it announces), never on every interface, and requires the job's secret.
+    in flight is dropped (its callers get 503) and the task exits 0 within seconds. Past the restart budget
+    it exits with RlslurmError (the controller fails the job on the `engine_down` announcement). A drain
+    reaches the engine as the controller's /admin/drain (Engines.drain), not as a signal of its own. It
+    listens on the node's address (the one it announces), never on every interface, and requires the job's
+    secret.
     """
     from rlslurm.dist import node_address
-    from rlslurm.rollout import server
+    from rlslurm.rollout.supervisor import EngineSupervisor
 
     # `scancel -s USR1` and --signal=USR1@N reach every step, this one too; USR1's default action would
-    # kill the engine while the trainer still finishes its step. The trainer ranks agree on the drain
-    # step and the controller drains the engines then.
+    # kill the engine while the trainer still finishes its step. Ignored here, it stays ignored in the
+    # engine server the supervisor starts (an ignored signal survives exec). The trainer ranks agree on the
+    # drain step and the controller drains the engines then.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    # The server stops on SIGTERM (rollout/server.py), then raises the signal again under the handler
-    # found at its start: this one makes that an exit 0, so srun and SLURM see a clean end of the
-    # component (a SIGTERM while it waits for the model ends it cleanly too).
-    signal.signal(signal.SIGTERM, _exit_cleanly)
+    stop = threading.Event()
+    supervised: list[EngineSupervisor] = []
+
+    def stopping(*_) -> None:
+        # SLURM's SIGTERM reaches the engine server too: its supervisor must not take that for a death.
+        stop.set()
+        for sup in supervised:
+            sup.stopping()
+
+    signal.signal(signal.SIGTERM, stopping)
     run_ = RunDir(Path(run_dir))
     rank = int(os.environ.get("SLURM_PROCID", "0"))
     write_fingerprint(run_, "rollout", rank)
@@ -60,36 +69,25 @@ def run_engine(job: JobConfig, run_dir: str | Path) -> int:
     while not (model_dir / "config.json").is_file():  # the controller writes the random init
         if time.monotonic() > deadline:
             raise RlslurmError(f"no model in {model_dir} after {job.rollout.request_timeout_s:.0f} s")
-        time.sleep(0.5)
+        if stop.wait(0.5):
+            return 0
     node = node_name()
-    host, port = node_address(node), free_port()
-    folder = run_.path / "endpoints"
-    folder.mkdir(exist_ok=True)
-    tmp = folder / f".engine-{rank}.json.tmp"
-    # job id and restart count: the controller of a requeued job must not take the previous start's URL.
-    tmp.write_text(json.dumps({"url": f"http://{host}:{port}", "node": node, "pid": os.getpid(),
-                               "job_id": lifecycle.leader_job_id(), "restart_count": lifecycle.restart_count()}))
-    os.replace(tmp, folder / f"engine-{rank}.json")
     # The address announced is the one bound: peers reach it, nothing else on the node's other interfaces.
-    argv = ["--model", str(model_dir), "--host", host, "--port", str(port), "--secret-file", str(run_.secret),
-            *engine_args(job), *engine_limits(job), "--engine", job.rollout.engine]
-    if job.rollout.engine != "hf" or job.rollout.python:
-        # Another engine lives in its own venv (vLLM: .venv-vllm): become its server process, so this
-        # SLURM task is the server and SLURM's signals reach it directly (USR1 stays ignored across exec).
-        python = job.rollout.python or sys.executable
-        log.info("engine %d: exec %s -m rlslurm.rollout.server (engine %s)", rank, python, job.rollout.engine)
-        os.execv(python, [python, "-m", "rlslurm.rollout.server", *argv])
+    spec = engine_launch(job, run_, rank, model_dir, host=node_address(node))
+    sup = EngineSupervisor(rank, spec, job.rollout, run=run_, node=node,
+                           stamp={"job_id": lifecycle.leader_job_id(), "restart_count": lifecycle.restart_count()})
+    supervised.append(sup)
     try:
-        server.main(argv)
-    except SystemExit as e:
-        if e.code not in (0, None):
-            raise
+        sup.start()
+        log.info("engine %d on %s, supervised", rank, sup.url)
+        while not stop.wait(1.0):
+            if sup.failed.is_set():
+                raise RlslurmError(f"rollout engine {rank} on {node} failed past rollout.max_restarts = "
+                                   f"{job.rollout.max_restarts}; see {spec.log_path}")
+    finally:
+        sup.stop()
     log.info("engine %d on %s stopped: exiting 0", rank, node)
     return 0
-
-
-def _exit_cleanly(signum, frame) -> None:
-    raise SystemExit(0)
 
 
 def run_reward(job: JobConfig, run_dir: str | Path) -> int:

@@ -52,6 +52,15 @@ class RolloutConfig:
     job's requests makes. Range [1, 1000000]."""
     max_request_mb: float = 16.0
     """Largest /v1/completions body, MiB. Range (0, 4096]."""
+    max_restarts: int = 3
+    """Restarts of one engine inside the allocation (its supervisor, rollout/supervisor.py, replaces an engine
+    that died or hung); past them the engine is down and the job fails as an engine failure (exit 6).
+    Range [0, 1000]."""
+    hang_timeout_s: float = 15.0
+    """Seconds an engine may go without a healthy /health answer (a stopped or wedged process, a 503 from a
+    stalled loop) before its supervisor kills and replaces it. Range (0, 86400]."""
+    health_interval_s: float = 1.0
+    """Seconds between two health checks of an engine by its supervisor. Range [0.01, 3600]."""
 
     def __post_init__(self):
         check(self.python is None or bool(str(self.python).strip()), "python",
@@ -71,6 +80,9 @@ class RolloutConfig:
         check_range(self.max_prompt_tokens, "max_prompt_tokens", 1, 10**8, note="tokens; null = the model's context")
         check_range(self.max_batch_rows, "max_batch_rows", 1, 1_000_000, note="null = the job's own")
         check_range(self.max_request_mb, "max_request_mb", 0, 4096, low_open=True, note="MiB")
+        check_range(self.max_restarts, "max_restarts", 0, 1000, note="restarts per engine")
+        check_range(self.hang_timeout_s, "hang_timeout_s", 0, 86_400, low_open=True, note="seconds")
+        check_range(self.health_interval_s, "health_interval_s", 0.01, 3600, note="seconds")
 
     def server_args(self, *, samples_per_prompt: int, prompts_per_request: int, eval_prompts: int) -> list[str]:
         """The limits an engine server of this job enforces (rollout/server.py flags): the values set here,

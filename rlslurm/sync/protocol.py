@@ -102,8 +102,13 @@ class WeightSync:
         self.run = run
         self.clock = clock
 
-    def sync(self, tensors: Mapping[str, torch.Tensor], version: int, *, step: int | None = None) -> SyncReport:
-        """One sync of `tensors` to `version`; `step` (the step boundary it follows) goes into its events."""
+    def sync(self, tensors: Mapping[str, torch.Tensor], version: int, *, step: int | None = None,
+             engines: Sequence | None = None) -> SyncReport:
+        """One sync of `tensors` to `version`; `step` (the step boundary it follows) goes into its events.
+        `engines`: the engines of this sync from now on (the controller's in rotation, plus replaced ones
+        to readmit); default: the same as the last sync's."""
+        if engines is not None:
+            self.engines = list(engines)
         cfg, timeout_s = self.config, self.config.timeout_s
         report = SyncReport(self.transport.name, version, step)
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())

@@ -1,0 +1,104 @@
+"""Engines that fail are replaced while the job runs (issue 19, part 1), off SLURM: two engines spawned beside
+the controller, each under its supervisor (rlslurm/rollout/supervisor.py).
+
+One run, two faults: engine 0 SIGKILLed while it generates step 2's share, then engine 1 SIGSTOPped while it
+generates a later step's. Each time the step completes with every sample it asked for (the failed engine's
+prompts re-sent to the other), the supervisor replaces the engine (died / hung: killed), and the next sync
+brings the replacement to the current version and VERIFIES it before it takes traffic again.
+
+    python -m pytest -q -s tests/integration/test_engine_failover.py   # ~60 s on 2 shared cores
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+
+from rlslurm import events, launch
+from rlslurm.config import load_config
+from rlslurm.rundir import RunDir, read_jsonl
+from waiting import wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "tiny-grpo.yaml"
+HANG_TIMEOUT_S = 4.0
+
+
+def _record(run: Path, i: int) -> dict:
+    from rlslurm.rollout.supervisor import read_endpoint
+
+    return read_endpoint(run / "endpoints" / f"engine-{i}.json")
+
+
+def _steps(run: Path) -> list[dict]:
+    return [r for r in read_jsonl(run / "metrics.jsonl") if "policy_version" in r]
+
+
+def _generating(url: str) -> bool:
+    """The engine has a generation request in flight (GET /health needs no secret)."""
+    try:
+        return httpx.get(url + "/health", timeout=2).json().get("in_flight", 0) > 0
+    except (httpx.HTTPError, ValueError):
+        return False
+
+
+def _fault_mid_rollout(run: Path, i: int, after_step: int, sig: int, timeout_s: float = 120) -> tuple[int, float]:
+    """Once `after_step` steps are done, send `sig` to engine i's server while it generates; (pid, when)."""
+    wait_for(f"step {after_step}", lambda: len(_steps(run)) >= after_step, timeout_s)
+    record = wait_for(f"engine {i} serving", lambda: (r := _record(run, i)).get("state") == "serving" and r, timeout_s)
+    wait_for(f"engine {i} generating", lambda: _generating(record["url"]), timeout_s, poll_s=0.02)
+    os.kill(record["pid"], sig)
+    return record["pid"], time.time()
+
+
+def test_failed_engines_are_replaced_and_readmitted_while_the_job_runs(tmp_path):
+    job = load_config(EXAMPLE, ("rollout.engines=2", "train.steps=6", "rl.prompts_per_step=32",
+                                "rollout.max_new_tokens=24", "rl.eval_every=100", "task.eval_size=16",
+                                "checkpoint.interval_steps=1000", f"rollout.hang_timeout_s={HANG_TIMEOUT_S}"))
+    sub = launch.submit(job, config_text=EXAMPLE.read_text(), backend="local", run_root=tmp_path)
+    run, stopped = sub.run_dir, None
+    try:
+        killed, _ = _fault_mid_rollout(run, 0, 1, signal.SIGKILL)
+        wait_for("engine 0 back in rotation", lambda: events.read_events(RunDir(run), events.ENGINE_READMITTED),
+                 120)
+        stopped, stopped_at = _fault_mid_rollout(run, 1, len(_steps(run)) + 1, signal.SIGSTOP)
+        results = launch.wait(sub, timeout_s=240, poll_s=0.2)
+    finally:
+        if stopped is not None:  # its supervisor killed it; never leave a stopped process behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stopped, signal.SIGKILL)
+    assert [int(code) for code in results] == [0] * len(results), f"ended {results}; see {run}"
+    r = RunDir(run)
+    steps = _steps(run)
+    assert [s["step"] for s in steps] == list(range(1, 7))
+    assert all(s["samples"] == 32 * job.rl.samples_per_prompt for s in steps), [s["samples"] for s in steps]
+
+    (died,) = events.read_events(r, events.ENGINE_DIED)
+    assert (died["engine"], died["pid"], died["exit_code"]) == (0, killed, -signal.SIGKILL)
+    (hung,) = events.read_events(r, events.ENGINE_UNHEALTHY)
+    assert (hung["engine"], hung["pid"], hung["process_state"]) == (1, stopped, "stopped")
+    assert hung["node"] and hung["url"] and "rollout.hang_timeout_s" in hung["cause"]
+    assert hung["t"] - stopped_at <= HANG_TIMEOUT_S + 5, hung["t"] - stopped_at  # detected within its timeout + 5 s
+    restarted = events.read_events(r, events.ENGINE_RESTARTED)
+    assert [(e["engine"], e["generation"], e["reason"]) for e in restarted] == [(0, 1, "died"), (1, 1, "hung")]
+    out = events.read_events(r, events.ENGINE_OUT)
+    assert [e["engine"] for e in out] == [0, 1] and all(e["resent"] > 0 for e in out), out
+    # Back only after a sync to the current version passed VERIFY on it: the readmission's version is the
+    # version of a verified sync that came after the restart.
+    readmitted = events.read_events(r, events.ENGINE_READMITTED)
+    assert [e["engine"] for e in readmitted] == [0, 1]
+    verified = {e["version"]: e["t"] for e in events.read_events(r, events.SYNC_VERIFIED)}
+    for back, new in zip(readmitted, restarted):
+        assert back["generation"] == 1 and new["t"] < verified[back["version"]] <= back["t"], (back, new)
+    # Metrics per step: prompts re-sent in the two failed steps, engines alive, restarts so far.
+    assert sum(s["prompts_resent"] for s in steps) == sum(e["resent"] for e in out)
+    assert [s["engine_restarts"] for s in steps][-1] == 2 and steps[-1]["engines_alive"] == 2
+    assert min(s["engines_alive"] for s in steps) == 1
+    assert not events.read_events(r, events.ENGINE_FAILED)
+    # Both replacements wear the phase guard: heartbeats of role rollout, ranks 0 and 1.
+    assert {(p.name) for p in (run / "heartbeats").glob("rollout-*.json")} == {"rollout-0.json", "rollout-1.json"}
