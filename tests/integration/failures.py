@@ -266,6 +266,25 @@ def engine_crash(root: Path) -> Made:
     return Made(sub.run_dir)
 
 
+def engine_hang(root: Path) -> Made:
+    """An RL run with one engine whose server is SIGSTOPped after the second step: its supervisor finds no
+    healthy /health answer for rollout.hang_timeout_s (3 s here), kills it (engine_unhealthy: engine, node,
+    pid, process state stopped) and replaces it; the controller's call in flight to it fails meanwhile, no
+    engine is left in rotation, and the job fails naming the engine."""
+    sub = submit(RL_EXAMPLE, root / "runs", (*RL_SMALL, "train.steps=200", "train.step_delay_s=0.2",
+                                              "rollout.hang_timeout_s=3"))
+    wait_until("the RL run's second step", lambda: _steps(sub.run_dir) >= 2, sub)
+    pid = _json(sub.run_dir / "endpoints" / "engine-0.json")["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        said = ended(sub)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)  # its supervisor killed it; never leave a stopped process behind
+    assert "EngineRequestError" in said or "SyncStageError" in said, f"see {sub.run_dir}: {said}"
+    return Made(sub.run_dir)
+
+
 # -- the ops kit's own failures: a heartbeat that cannot be written, a node agent that dies ------------------
 
 @contextlib.contextmanager
@@ -396,5 +415,6 @@ CLUSTER = {"time_limit": time_limit, "preempted": preempted, "node_failure": nod
 LOCAL = {"finished": finished, "exception": exception, "hang": hang, "desync": desync, "running": running,
          "unknown": unknown,
          "oom": oom, "reward_down": reward_down, "sync_failure": sync_failure, "env_mismatch": env_mismatch,
-         "engine_crash": engine_crash, "heartbeat_unwritable": heartbeat_unwritable, "agent_died": agent_died}
+         "engine_crash": engine_crash, "engine_hang": engine_hang, "heartbeat_unwritable": heartbeat_unwritable,
+         "agent_died": agent_died}
 """Cause (as `rlslurm diag` names it) -> the scenario that makes it happen here."""

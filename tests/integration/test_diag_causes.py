@@ -62,3 +62,13 @@ def test_engine_killed_mid_run(tmp_path):
     out = diag(made.run, tmp_path)
     assert re.search(rf"^cause: rollout engine crash: {re.escape(failed['url'])} \(node \S+, pid {failed['pid']}, "
                      rf"exit code -9\): (POST|GET) /\S+ failed: ConnectError", out, re.MULTILINE), out
+
+
+def test_engine_stopped_mid_run(tmp_path):
+    made = failures.engine_hang(tmp_path)
+    (hung,) = events.read_events(RunDir(made.run), events.ENGINE_UNHEALTHY)
+    assert hung["engine"] == 0 and hung["process_state"] == "stopped" and hung["node"] and hung["pid"]
+    out = diag(made.run, tmp_path)
+    assert re.search(rf"^cause: rollout engine hang: {re.escape(hung['url'])} \(engine 0, node {hung['node']}, pid "
+                     rf"{hung['pid']}, process state stopped\): no healthy /health answer for \S+ s "
+                     rf"\(rollout.hang_timeout_s = 3\)", out, re.MULTILINE), out

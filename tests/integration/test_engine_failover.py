@@ -102,3 +102,46 @@ def test_failed_engines_are_replaced_and_readmitted_while_the_job_runs(tmp_path)
     assert not events.read_events(r, events.ENGINE_FAILED)
     # Both replacements wear the phase guard: heartbeats of role rollout, ranks 0 and 1.
     assert {(p.name) for p in (run / "heartbeats").glob("rollout-*.json")} == {"rollout-0.json", "rollout-1.json"}
+
+
+def test_an_engine_past_its_restart_budget_is_down_and_fails_the_job_as_an_engine_failure(tmp_path):
+    """rollout.max_restarts 1: the first death is replaced, the second is past the budget: `engine_down`, the
+    announcement says down, and the controller's check raises the engine failure of the exit-code contract."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from rlslurm import secret
+    from rlslurm.dist import free_port
+    from rlslurm.rl.engines import Engines
+    from rlslurm.rollout.client import EngineClient, EngineRequestError
+    from rlslurm.rollout.config import RolloutConfig
+    from rlslurm.rollout.supervisor import EngineLaunch, EngineSupervisor, endpoint_path, read_endpoint
+    from rollout_fixtures import save_model, tiny_llama
+
+    model = save_model(tiny_llama(0), tmp_path / "model")
+    run = RunDir(tmp_path / "run").create()
+    cfg = RolloutConfig(max_restarts=1, health_interval_s=0.2)
+    spec = EngineLaunch(model_dir=model, host="127.0.0.1", port=free_port(), log_path=run.logs / "engine-0.log",
+                        secret_file=secret.ensure(run.secret), env={"HF_HUB_OFFLINE": "1"},
+                        args=("--threads", "1", "--run-dir", str(run.path), "--rank", "0"))
+    sup = EngineSupervisor(0, spec, cfg, run=run, node="here").start()
+    try:
+        first = sup.pid
+        os.kill(first, signal.SIGKILL)
+        (restarted,) = wait_for("the replacement", lambda: events.read_events(run, events.ENGINE_RESTARTED), 120)
+        assert restarted["pid"] == sup.pid != first and restarted["url"] == sup.url  # same URL, new process
+        os.kill(sup.pid, signal.SIGKILL)
+        assert sup.failed.wait(60)
+    finally:
+        sup.stop()
+    (down,) = events.read_events(run, events.ENGINE_DOWN)
+    assert (down["engine"], down["restarts"], down["max_restarts"], down["reason"]) == (0, 1, 1, "died")
+    assert [e["exit_code"] for e in events.read_events(run, events.ENGINE_DIED)] == [-9, -9]
+    assert read_endpoint(endpoint_path(run, 0))["state"] == "down"
+    engines = Engines.__new__(Engines)  # the controller's side: only what check_down reads
+    engines.files, engines.clients = [endpoint_path(run, 0)], [EngineClient(sup.url)]
+    engines.job = SimpleNamespace(rollout=cfg)
+    with pytest.raises(EngineRequestError, match="down: its supervisor gave up") as raised:
+        engines.check_down()
+    assert raised.value.url == sup.url and raised.value.exit_code == 6  # engine_failed, exit 6: as before

@@ -28,6 +28,7 @@ CAUSES = {
     "reward_down": "reward service down: gone past its restart budget",
     "sync_failure": "weight-sync VERIFY failed",
     "engine_crash": "rollout engine crash",
+    "engine_hang": "rollout engine hang",
     "time_limit": "time limit reached",
     "preempted": "preempted by SLURM",
     "node_failure": "node failure",
