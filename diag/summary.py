@@ -252,7 +252,7 @@ def engine_causes(now_events: list[dict], logs: dict[str, str]) -> list[Cause]:
             v = hung[-1]
             return [Cause("engine_hang", f"rollout engine hang: {e.get('url')} (engine {v.get('engine')}, node "
                           f"{v.get('node')}, pid {v.get('pid')}, process state {v.get('process_state')}): "
-                          f"{v.get('cause')}; then {e.get('call') or 'a call'} failed: {e.get('cause')}",
+                          f"{v.get('cause')}; killed by its supervisor, then: {e.get('cause')}",
                           [f"engine log: {v.get('log')}"] if v.get("log") else [])]
         where = ", ".join(f"{k.replace('_', ' ')} {e[k]}" for k in ("node", "pid", "exit_code")
                           if e.get(k) is not None)

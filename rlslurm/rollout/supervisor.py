@@ -225,7 +225,7 @@ class EngineSupervisor:
             self._event(events.ENGINE_UNHEALTHY, engine=self.index, node=self.node, pid=pid, url=self.url,
                         unhealthy_s=round(silent_s, 2), process_state=state, log=str(self.spec.log_path),
                         cause=f"no healthy /health answer for {silent_s:.1f} s (rollout.hang_timeout_s = "
-                              f"{self.cfg.hang_timeout_s:g}); process state {state}")
+                              f"{self.cfg.hang_timeout_s:g})")
             kill_tree(pid)
             self.exits[pid] = self.process.proc.wait(timeout=10)
             if not self._replace("hung"):
