@@ -97,8 +97,10 @@ def test_failed_engines_are_replaced_and_readmitted_while_the_job_runs(tmp_path)
         assert back["generation"] == 1 and new["t"] < verified[back["version"]] <= back["t"], (back, new)
     # Metrics per step: prompts re-sent in the two failed steps, engines alive, restarts so far.
     assert sum(s["prompts_resent"] for s in steps) == sum(e["resent"] for e in out)
-    assert [s["engine_restarts"] for s in steps][-1] == 2 and steps[-1]["engines_alive"] == 2
-    assert min(s["engines_alive"] for s in steps) == 1
+    assert [s["engines_alive"] for s in steps if s["prompts_resent"]] == [1, 1]  # as each rollout ended
+    assert {s["engines_alive"] for s in steps if not s["prompts_resent"]} == {2}
+    restarts = [s["engine_restarts"] for s in steps]
+    assert restarts == sorted(restarts) and restarts[-1] >= 1, restarts
     assert not events.read_events(r, events.ENGINE_FAILED)
     # Both replacements wear the phase guard: heartbeats of role rollout, ranks 0 and 1.
     assert {(p.name) for p in (run / "heartbeats").glob("rollout-*.json")} == {"rollout-0.json", "rollout-1.json"}
