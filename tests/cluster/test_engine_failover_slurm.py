@@ -8,7 +8,7 @@ engine is replaced inside the allocation and VERIFIED at the current weight vers
 again, and nothing is requeued; the hang is detected within its hang timeout + 5 s and named as the engine
 (event and `rlslurm diag`).
 
-    RLSLURM_SLURM_PORT_BASE=43817 python -m pytest -q -s tests/cluster/test_engine_failover.py   # ~2 min
+    RLSLURM_SLURM_PORT_BASE=43817 python -m pytest -q -s tests/cluster/test_engine_failover_slurm.py   # ~2 min
 """
 
 from __future__ import annotations
