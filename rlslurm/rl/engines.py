@@ -65,7 +65,7 @@ class Engines:
                 # Its own GPUs (the layout's positions among rank 0's) and the job's network environment.
                 gpus = spawned_engine_env(layout, i)
                 sup = EngineSupervisor(i, engine_launch(job, run, i, model_dir, host="127.0.0.1", env=gpus),
-                                       job.rollout, run=run, node=node, stamp=_stamp())
+                                       job.rollout, run=run, node=node, stamp=endpoint_stamp())
                 try:
                     sup.start()
                 except EngineRequestError as e:
@@ -249,7 +249,7 @@ class Engines:
             client.close()
 
 
-def _stamp() -> dict:
+def endpoint_stamp() -> dict:
     """Which start of the job an announcement belongs to: a requeued job must not take a previous start's URL."""
     return {"job_id": lifecycle.leader_job_id(), "restart_count": lifecycle.restart_count()}
 

@@ -17,13 +17,12 @@ import threading
 import time
 from pathlib import Path
 
-from rlslurm import lifecycle
 from rlslurm.config import JobConfig
 from rlslurm.diag.env_diff import write_fingerprint
 from rlslurm.errors import RlslurmError
 from rlslurm.node import node_name
 from rlslurm.rl.controller import reward_config, reward_env
-from rlslurm.rl.engines import engine_launch
+from rlslurm.rl.engines import endpoint_stamp, engine_launch
 from rlslurm.rundir import RunDir
 
 log = logging.getLogger(__name__)
@@ -44,6 +43,7 @@ def run_engine(job: JobConfig, run_dir: str | Path) -> int:
     secret.
     """
     from rlslurm.dist import node_address
+    from rlslurm.rollout.client import EngineRequestError
     from rlslurm.rollout.supervisor import EngineSupervisor
 
     # `scancel -s USR1` and --signal=USR1@N reach every step, this one too; USR1's default action would
@@ -74,11 +74,16 @@ def run_engine(job: JobConfig, run_dir: str | Path) -> int:
     node = node_name()
     # The address announced is the one bound: peers reach it, nothing else on the node's other interfaces.
     spec = engine_launch(job, run_, rank, model_dir, host=node_address(node))
-    sup = EngineSupervisor(rank, spec, job.rollout, run=run_, node=node,
-                           stamp={"job_id": lifecycle.leader_job_id(), "restart_count": lifecycle.restart_count()})
+    sup = EngineSupervisor(rank, spec, job.rollout, run=run_, node=node, stamp=endpoint_stamp())
     supervised.append(sup)
     try:
-        sup.start()
+        try:
+            sup.start()
+        except EngineRequestError:
+            if stop.is_set():  # SLURM's SIGTERM ended the server while it loaded: a clean end of the component
+                log.info("engine %d on %s stopped while starting: exiting 0", rank, node)
+                return 0
+            raise
         log.info("engine %d on %s, supervised", rank, sup.url)
         while not stop.wait(1.0):
             if sup.failed.is_set():
