@@ -97,6 +97,8 @@ class Engines:
             self.failed(e)
             self.stop()
             raise
+        for url, path in zip(urls, self.files):  # serving now: the pid of each server
+            self.identity[url]["pid"] = _read_json(path).get("pid") or self.identity[url]["pid"]
 
     @property
     def processes(self):
