@@ -48,6 +48,15 @@ from rlslurm.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
+class _NoHealthLines(logging.Filter):
+    """httpx logs every request at INFO: a health check per engine per second would bury the process's log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "/health" not in record.getMessage()
+
+
+logging.getLogger("httpx").addFilter(_NoHealthLines())
+
 HEALTH_TIMEOUT_S = 2.0
 """Bound of one health check (less where rollout.hang_timeout_s is short): a stopped engine is declared hung
 at most hang_timeout_s + this + one interval after its last healthy answer."""
