@@ -90,6 +90,7 @@ class Engines:
         self.live = [True] * len(self.clients)
         self.generations = [int(_read_json(path).get("generation") or 0) for path in self.files]
         self.version: int | None = None  # what every engine in rotation serves since the last sync
+        self._waited: dict[int, int | None] = {}  # engine -> its generation when `returning` waited in vain
         try:
             for client in self.clients:  # an announced engine announces itself before its server listens
                 client.wait_ready(job.rollout.request_timeout_s)
@@ -157,8 +158,10 @@ class Engines:
 
         back = []
         for i in [i for i, live in enumerate(self.live) if not live]:
-            deadline = time.monotonic() + self.job.rollout.request_timeout_s
-            while time.monotonic() < deadline:
+            # Waited for in vain already, and not replaced since (its supervisor itself gone?): one look, no wait.
+            waited = i in self._waited and self._waited[i] == self.record(i).get("generation")
+            deadline = time.monotonic() + (0 if waited else self.job.rollout.request_timeout_s)
+            while True:
                 record = self.record(i)
                 if record.get("state") == "down":
                     break  # check_down fails the job
@@ -169,10 +172,13 @@ class Engines:
                         break
                     except EngineRequestError:
                         pass
+                if time.monotonic() >= deadline:
+                    if not waited:
+                        log.warning("engine %d (%s) is not back after %.0f s: it stays out of rotation", i,
+                                    self.clients[i].url, self.job.rollout.request_timeout_s)
+                    self._waited[i] = record.get("generation")
+                    break
                 time.sleep(poll_s)
-            else:
-                log.warning("engine %d (%s) is not back after %.0f s: it stays out of rotation", i,
-                            self.clients[i].url, self.job.rollout.request_timeout_s)
         return back
 
     def readmit(self, indices: list[int], version: int, step: int | None) -> None:

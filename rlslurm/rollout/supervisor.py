@@ -170,7 +170,7 @@ class EngineSupervisor:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
-        if self.process is not None:
+        if self.process is not None and self.process.proc.poll() is None:
             if process_state(self.process.proc.pid) == psutil.STATUS_STOPPED:
                 kill_tree(self.process.proc.pid)  # SIGTERM stays pending on a stopped process
             self.process.stop()
@@ -250,7 +250,8 @@ class EngineSupervisor:
             self.failed.set()
             return False
         if self.process is not None:
-            kill_tree(self.process.proc.pid)  # whatever is left of it (children of a dead server)
+            if self.process.proc.poll() is None:  # a pid Popen has reaped may belong to another process by now
+                kill_tree(self.process.proc.pid)
             self.process.client.close()
         self._attempts += 1
         self._announce("starting")
