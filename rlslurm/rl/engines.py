@@ -38,7 +38,7 @@ class Engines:
     placement on SLURM), or spawned here beside rank 0 (colocated, or any run off SLURM)."""
 
     def __init__(self, job: JobConfig, layout: JobLayout, run: RunDir, model_dir: Path):
-        from rlslurm.rollout.client import EngineClient, EngineRequestError, spawn_engine
+        from rlslurm.rollout.client import EngineRequestError, connect, spawn_engine
 
         self.run = run
         self.processes = []
@@ -51,7 +51,8 @@ class Engines:
             self.identity = {url: {"node": announced.get(url, {}).get("node"), "pid": announced.get(url, {}).get("pid"),
                                    "log": str(run.logs / "rollout-*.log")} for url in urls}
             token = secret.read(secret_file)
-            self.clients = [EngineClient(url, job.rollout.request_timeout_s, token=token) for url in urls]
+            self.clients = [connect(url, job.rollout.request_timeout_s, token=token, engine=job.rollout.engine,
+                                    tp=job.rollout.tp) for url in urls]
             try:
                 for client in self.clients:  # an engine announces itself before its server listens
                     client.wait_ready(job.rollout.request_timeout_s)
@@ -74,7 +75,7 @@ class Engines:
                                              "RLSLURM_GPU_MEMORY_UTILIZATION": str(job.rollout.gpu_memory_utilization),
                                              **network_env(job.network), **gpus},
                                         timeout_s=job.rollout.request_timeout_s,
-                                        engine=job.rollout.engine, python=job.rollout.python)
+                                        engine=job.rollout.engine, python=job.rollout.python, tp=job.rollout.tp)
                 except EngineRequestError as e:
                     self.failed(e)
                     self.stop()  # the engines started before it

@@ -73,7 +73,13 @@ def run_engine(job: JobConfig, run_dir: str | Path) -> int:
     # The address announced is the one bound: peers reach it, nothing else on the node's other interfaces.
     argv = ["--model", str(model_dir), "--host", host, "--port", str(port), "--secret-file", str(run_.secret),
             *engine_args(job), *engine_limits(job), "--engine", job.rollout.engine]
-    if job.rollout.engine != "hf" or job.rollout.python:
+    if job.rollout.engine == "vllm":  # vLLM's own OpenAI server (rollout/vllm_serve.py), this task becomes it
+        from rlslurm.rollout.vllm_serve import exec_serve
+
+        log.info("engine %d: exec vLLM's OpenAI server (tp %d)", rank, job.rollout.tp)
+        exec_serve(model_dir, python=job.rollout.python or sys.executable, host=host, port=port,
+                   secret_file=run_.secret, tp=job.rollout.tp, server_args=engine_limits(job))
+    if job.rollout.python:
         # Another engine lives in its own venv (vLLM: .venv-vllm): become its server process, so this
         # SLURM task is the server and SLURM's signals reach it directly (USR1 stays ignored across exec).
         python = job.rollout.python or sys.executable

@@ -1,0 +1,154 @@
+"""rlslurm's weight-transfer engine for vLLM's own RL routes, run inside vLLM's workers.
+
+    vllm serve DIR --weight-transfer-config '{"backend": "rlslurm"}' \
+        --worker-extension-cls rlslurm.rollout.vllm_transfer.WorkerChecks     # (rollout/vllm_serve.py)
+    POST /init_weight_transfer_engine {"init_info": {"addr", "port", "rank_offset", "world_size", ...}}
+    POST /start_weight_update; POST /update_weights {"update_info": {"kind": "broadcast" | "disk", ...}}
+    POST /finish_weight_update {"weight_version": "12"}
+    POST /collective_rpc {"method": "rlslurm_checksums"}                      # VERIFY
+
+Why an engine of our own: vLLM's built-in nccl and ipc engines use CUDA streams; on CPU there is none
+that runs. This one is registered through vLLM's plugin entry point (`vllm.general_plugins` in
+pyproject.toml -> `register`), so CI runs the same routes, the same start/update/finish lifecycle and
+the same layerwise reload (vLLM's `initialize_layerwise_reload` / `finalize_layerwise_reload`, which
+re-runs each layer's `process_weights_after_loading`: on CPU the re-pack of every linear weight) that
+nccl/ipc run on a GPU. Only the wire differs: rlslurm's gloo broadcast group (rlslurm/sync/broadcast.py,
+each TP worker its own rank: `rank_offset + tp_rank`) or a safetensors version on disk
+(rlslurm/sync/disk.py). The tensors go from the socket or file straight into `model.load_weights` in the
+worker: no byte passes through the API server or any other process, and the engine keeps no snapshot.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+log = logging.getLogger(__name__)
+
+BACKEND = "rlslurm"
+"""The name the engine is registered under: `--weight-transfer-config '{"backend": "rlslurm"}'`."""
+
+
+def register() -> None:
+    """vLLM general plugin (entry point `vllm.general_plugins`): runs in every vLLM process, maybe twice."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND, __name__, "RlslurmTransferEngine")
+
+
+# vLLM's base classes are importable only in the vLLM venv; this module is imported there only.
+from vllm.distributed.weight_transfer.base import (  # noqa: E402
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+
+@dataclass
+class RlslurmInitInfo(WeightTransferInitInfo):
+    """Join the trainer's broadcast group (rlslurm/sync/broadcast.py BroadcastGroup.join)."""
+
+    addr: str
+    port: int
+    rank_offset: int
+    """This engine's first rank in the group; its TP worker k is rank_offset + k."""
+    world_size: int
+    timeout_s: float = 60.0
+    generation: int = 0
+
+
+@dataclass
+class RlslurmUpdateInfo(WeightTransferUpdateInfo):
+    """One update: `broadcast` (manifest + bucket_bytes over the joined group), `disk` (a version dir) or
+    `ipc` (shared-memory handles the worker maps, rlslurm/sync/ipc.py; one worker per FIFO: TP 1)."""
+
+    kind: str
+    manifest: list[dict] = field(default_factory=list)
+    bucket_bytes: int = 0
+    path: str = ""
+    handles: list[dict] = field(default_factory=list)
+    ready: dict | None = None
+    timeout_s: float = 60.0
+
+
+class _ModelSink:
+    """What rlslurm/sync/landing.py's in-place Landing loads into: the worker's model, through its own
+    `load_weights` (HF names in, TP sharding and fused projections done by vLLM)."""
+
+    adopts_weights = False
+    model_name = "vllm-worker"
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def load_weights(self, named) -> int:
+        # Copies: vLLM's layerwise reload keeps a loaded tensor until its layer is complete, and the landing
+        # receives the next buckets into the same scratch buffers (measured: gate_proj of bucket k came out
+        # as bucket k+4's bytes). A file's mapped tensors would survive, but one rule is simpler.
+        named = [(name, t.clone()) for name, t in named]
+        self.model.load_weights(named)
+        return sum(t.numel() * t.element_size() for _, t in named)
+
+
+class RlslurmTransferEngine(WeightTransferEngine[RlslurmInitInfo, RlslurmUpdateInfo]):
+    """gloo broadcast / disk into a vLLM worker, with vLLM's layerwise reload around it."""
+
+    init_info_cls = RlslurmInitInfo
+    update_info_cls = RlslurmUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device, model) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.group = None
+
+    def _tp_rank(self) -> int:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank()
+
+    def init_transfer_engine(self, init_info: RlslurmInitInfo) -> None:
+        from rlslurm.sync.broadcast import BroadcastGroup
+
+        self.group = None  # a rebuilt group replaces one a failure broke
+        self.group = BroadcastGroup.join(init_info.addr, init_info.port, init_info.rank_offset + self._tp_rank(),
+                                         init_info.world_size, init_info.timeout_s, device="cpu",
+                                         generation=init_info.generation)
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def receive_weights(self, update_info: RlslurmUpdateInfo) -> None:
+        from rlslurm.sync import disk, ipc
+        from rlslurm.sync.landing import Landing
+
+        landing = Landing(_ModelSink(self.model), staged=False)
+        if update_info.kind == "broadcast":
+            if self.group is None:
+                raise RuntimeError("no broadcast group: POST /init_weight_transfer_engine first")
+            try:
+                self.group.receive(update_info.manifest, update_info.bucket_bytes, landing)
+            except BaseException:
+                self.group = None  # broken by a peer's failure: the trainer rebuilds it
+                raise
+        elif update_info.kind == "disk":
+            disk.receive(update_info.path, landing)
+        elif update_info.kind == "ipc":
+            ipc.receive(update_info.manifest, update_info.bucket_bytes, update_info.handles, landing,
+                        ready=update_info.ready, timeout_s=update_info.timeout_s)
+        else:
+            raise ValueError(f"update kind {update_info.kind!r}: rlslurm's engine takes broadcast, disk or ipc")
+        log.info("rlslurm weight transfer: %s update of %d bytes landed on TP rank %d", update_info.kind,
+                 landing.bytes, self._tp_rank())
+
+    def shutdown(self) -> None:
+        self.group = None
