@@ -15,7 +15,7 @@ What the server is started with, and why:
   max_tokens: vLLM has no flag for either; prompt length is vLLM's own --max-model-len). The secret file's
   path comes in RLSLURM_SECRET_FILE, never the token (argv and env are visible to `ps`).
 - `--weight-transfer-config {"backend": "rlslurm"}` (rollout/vllm_transfer.py, registered through vLLM's
-  plugin entry point) and `--worker-extension-cls` rollout/vllm_engine.py WorkerWeights: VERIFY reads what
+  plugin entry point) and `--worker-extension-cls` rollout/vllm_transfer.py WorkerChecks: VERIFY reads what
   every worker serves (rlslurm/rollout/vllm_client.py says why that and not /weight_checker alone).
 - `--tensor-parallel-size rollout.tp`; on CPU, TP > 1 needs each worker's OpenMP threads bound to cores of
   its own (VLLM_CPU_OMP_THREADS_BIND="0|1") and a small --gpu-memory-utilization (on CPU: the share of host
@@ -34,7 +34,7 @@ from rlslurm import secret, wire
 from rlslurm.rollout.client import EngineProcess, EngineRequestError
 
 GATE = "rlslurm.rollout.vllm_serve.SecretGate"
-WORKER_EXTENSION = "rlslurm.rollout.vllm_engine.WorkerWeights"
+WORKER_EXTENSION = "rlslurm.rollout.vllm_transfer.WorkerChecks"
 DATA_PATHS = ("/v1/completions", "/v1/models")
 LIMITS_ENV = "RLSLURM_VLLM_LIMITS"
 """JSON {"max_n", "max_tokens", "max_body_bytes", "open_data"}: the gate's bounds, set by the launcher."""

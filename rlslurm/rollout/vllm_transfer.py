@@ -46,6 +46,8 @@ from vllm.distributed.weight_transfer.base import (  # noqa: E402
     WeightTransferUpdateInfo,
 )
 
+from rlslurm.rollout.vllm_engine import WorkerWeights, _gemm_weight  # noqa: E402
+
 
 @dataclass
 class RlslurmInitInfo(WeightTransferInitInfo):
@@ -152,3 +154,82 @@ class RlslurmTransferEngine(WeightTransferEngine[RlslurmInitInfo, RlslurmUpdateI
 
     def shutdown(self) -> None:
         self.group = None
+
+
+# -- VERIFY inside the workers (--worker-extension-cls, called through /collective_rpc) ---------------------
+
+class WorkerChecks(WorkerWeights):
+    """rollout/vllm_engine.py's WorkerWeights (checksums of what a worker serves, packed linear weights read
+    back through their own GEMM, under Hugging Face names), at any tensor-parallel size: at TP > 1 each
+    served shard is gathered across the TP workers (vLLM's own TP group: weight bytes pass only between
+    vLLM's workers) into the Hugging Face tensor, whose checksum is then comparable with the trainer's. A
+    stale or corrupted shard on any one rank changes that tensor's checksum (on every rank)."""
+
+    @torch.no_grad()
+    def rlslurm_checksums(self) -> dict[str, str]:
+        from vllm.distributed import get_tensor_model_parallel_world_size
+
+        if get_tensor_model_parallel_world_size() == 1:
+            return super().rlslurm_checksums()
+        from rlslurm.sync.checksum import tensor_checksum
+
+        out = {}
+        for name, copies in _tp_served(self.model_runner.get_model()).items():
+            sums = sorted({tensor_checksum(t) for t in copies})
+            out[name] = sums[0] if len(sums) == 1 else "inconsistent copies: " + " | ".join(sums)
+        return out
+
+
+def _tp_served(model: torch.nn.Module) -> dict[str, list[torch.Tensor]]:
+    """Every served copy of every HF tensor, each gathered whole across the TP group (Llama-family layouts:
+    column-parallel rows, row-parallel columns, vocab-parallel rows, fused q/k/v and gate/up per rank)."""
+    from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_gather
+    from vllm.model_executor.layers.linear import LinearBase, QKVParallelLinear, RowParallelLinear
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    def gather(t: torch.Tensor, dim: int) -> torch.Tensor:
+        return tensor_model_parallel_all_gather(t.contiguous(), dim)
+
+    tp = get_tensor_model_parallel_world_size()
+    canonical: dict[int, str] = {}
+    for name, p in model.named_parameters():
+        canonical.setdefault(id(p), name)
+    packed = getattr(model, "packed_modules_mapping", {}) or {}
+    lm_head = getattr(model, "lm_head", None)
+    out: dict[str, list[torch.Tensor]] = {}
+    for module in model.modules():
+        for attr, p in module.named_parameters(recurse=False):
+            full = canonical[id(p)]
+            prefix, leaf = full.rsplit(".", 1)
+            gemm = (attr == "weight" and hasattr(module, "cpu_linear")
+                    and (isinstance(module, LinearBase) or module is lm_head))
+            if isinstance(module, VocabParallelEmbedding):
+                # Rank r holds padded-vocab rows [r * n, (r + 1) * n); the checkpoint's are the first org_vocab_size.
+                head = isinstance(module, ParallelLMHead)
+                reads = [gemm and head] + [True] * (gemm and not head)  # a tied embedding: lookup + LM-head GEMM
+                for through_gemm in reads:
+                    local = _gemm_weight(module) if through_gemm else p.detach()
+                    out.setdefault(full, []).append(gather(local, 0)[: module.org_vocab_size])
+                continue
+            local = _gemm_weight(module) if gemm else p.detach()
+            parent, _, short = prefix.rpartition(".")
+            if short in packed and hasattr(module, "output_sizes") and attr in ("weight", "bias"):
+                if isinstance(module, QKVParallelLinear):
+                    if getattr(module, "num_kv_head_replicas", 1) != 1:
+                        raise NotImplementedError("VERIFY at TP > KV heads (replicated KV heads) is not covered")
+                    sizes = [module.num_heads * module.head_size] + [module.num_kv_heads * module.head_size] * 2
+                else:
+                    sizes = [size // tp for size in module.output_sizes]
+                start = 0
+                for sub, size in zip(packed[short], sizes):
+                    hf = f"{parent}.{sub}.{leaf}" if parent else f"{sub}.{leaf}"
+                    out.setdefault(hf, []).append(gather(local[start : start + size], 0))
+                    start += size
+                continue
+            if isinstance(module, RowParallelLinear):
+                out.setdefault(full, []).append(gather(local, 1) if attr == "weight" else local)
+            elif isinstance(module, LinearBase):  # column-parallel
+                out.setdefault(full, []).append(gather(local, 0))
+            else:  # norms: replicated
+                out.setdefault(full, []).append(local)
+    return out
