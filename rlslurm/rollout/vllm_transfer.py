@@ -95,6 +95,20 @@ class _ModelSink:
         return sum(t.numel() * t.element_size() for _, t in named)
 
 
+def _retie_lm_head(model: torch.nn.Module, hf_config) -> None:
+    """A tied LM head shares the embedding's weight, and vLLM's layerwise reload processes that parameter once,
+    under its first name (the embedding): the CPU backend's own packed GEMM of the LM head then kept the old
+    weights (measured: VERIFY found `model.embed_tokens.weight` served as two different copies after an RL
+    run's first sync). Point the head at the reloaded weight again and re-pack it."""
+    if not getattr(hf_config, "tie_word_embeddings", False):
+        return
+    head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None or embed is None or not hasattr(head, "quant_method"):
+        return
+    head.weight = embed.weight
+    head.quant_method.process_weights_after_loading(head)
+
+
 class RlslurmTransferEngine(WeightTransferEngine[RlslurmInitInfo, RlslurmUpdateInfo]):
     """gloo broadcast / disk into a vLLM worker, with vLLM's layerwise reload around it."""
 
@@ -128,6 +142,7 @@ class RlslurmTransferEngine(WeightTransferEngine[RlslurmInitInfo, RlslurmUpdateI
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
+        _retie_lm_head(self.model, self.model_config.hf_config)
 
     def receive_weights(self, update_info: RlslurmUpdateInfo) -> None:
         from rlslurm.sync import disk, ipc

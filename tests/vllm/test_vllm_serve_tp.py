@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from rlslurm.errors import SyncVerifyError
 from rlslurm.rollout.client import EngineRequestError
+from rlslurm.rollout.engine import HFEngine
 from rlslurm.sync.broadcast import BroadcastTransport
 from rlslurm.sync.buckets import Fault
 from rlslurm.sync.checksum import checksums, compare
@@ -20,13 +21,23 @@ from rlslurm.sync.config import SyncConfig
 from rlslurm.sync.disk import DiskTransport
 from rlslurm.sync.ipc import IpcTransport
 from rlslurm.sync.protocol import WeightSync
-from rollout_fixtures import PROMPTS, served_tokens, weights
+from rollout_fixtures import PROMPTS, greedy_tokens, save_model, served_tokens, tiny_llama, weights
 from vllm_fixtures import start_vllm_serve
 
 
 @pytest.fixture(scope="module")
-def tp_engine(models, vllm_python, tmp_path_factory):
-    proc = start_vllm_serve(models[1][0], tmp_path_factory.mktemp("vllm-tp2-logs"), vllm_python, tp=2)
+def tied(tmp_path_factory):
+    """({seed: model}, {seed: HF dir}, {seed: HF greedy tokens}) of tiny Llamas with a tied embedding (as the
+    embedded default has): vLLM serves that matrix twice, the lookup table and the LM head's own GEMM."""
+    root = tmp_path_factory.mktemp("vllm-tied")
+    live = {s: tiny_llama(s, hidden=128, tied=True) for s in (0, 1, 2)}  # head size 32: vLLM's CPU attention
+    dirs = {s: save_model(m, root / f"m{s}") for s, m in live.items()}
+    return live, dirs, {s: greedy_tokens(HFEngine(path)) for s, path in dirs.items()}
+
+
+@pytest.fixture(scope="module")
+def tp_engine(tied, vllm_python, tmp_path_factory):
+    proc = start_vllm_serve(tied[1][0], tmp_path_factory.mktemp("vllm-tp2-logs"), vllm_python, tp=2)
     yield proc
     proc.stop(timeout_s=30)
 
@@ -43,7 +54,8 @@ def greedy(engine):
     return served_tokens(engine.client.completions(PROMPTS, max_tokens=8, temperature=0))
 
 
-def test_tp2_serves_the_checkpoint_and_takes_verified_syncs(tp_engine, models, reference, tmp_path):
+def test_tp2_serves_the_checkpoint_and_takes_verified_syncs(tp_engine, tied, tmp_path):
+    models, reference = tied[:2], tied[2]
     workers = tp_engine.client._post("/collective_rpc", method="rlslurm_checksums")["results"]
     assert len(workers) == 2  # two TP workers, each reporting the whole HF tensors it gathered
     start = checksums(load_file(str(models[1][0] / "model.safetensors")).items())
@@ -59,7 +71,8 @@ def test_tp2_serves_the_checkpoint_and_takes_verified_syncs(tp_engine, models, r
     IpcTransport().close()
 
 
-def test_a_corrupted_tp_shard_is_caught(tp_engine, models, reference):
+def test_a_corrupted_tp_shard_is_caught(tp_engine, tied):
+    models, reference = tied[:2], tied[2]
     """The first byte of a column-parallel weight is in row 0: TP rank 0's shard only; rank 1's is intact."""
     name = "model.layers.0.mlp.up_proj.weight"
     before = tp_engine.client.version()
