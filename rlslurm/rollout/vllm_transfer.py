@@ -129,9 +129,9 @@ class RlslurmTransferEngine(WeightTransferEngine[RlslurmInitInfo, RlslurmUpdateI
         from rlslurm.sync.broadcast import BroadcastGroup
 
         self.group = None  # a rebuilt group replaces one a failure broke
+        # gloo on CPU, NCCL on a GPU worker: BroadcastGroup picks as the trainer's side does (never run on a GPU).
         self.group = BroadcastGroup.join(init_info.addr, init_info.port, init_info.rank_offset + self._tp_rank(),
-                                         init_info.world_size, init_info.timeout_s, device="cpu",
-                                         generation=init_info.generation)
+                                         init_info.world_size, init_info.timeout_s, generation=init_info.generation)
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
