@@ -13,9 +13,10 @@ Event kinds read (declared in rlslurm/events.py, emitted where the failure happe
 controller's check before the first sync), phase_failed (diag/guard.py), hang_detected (diag/watchdog.py;
 a desync when its collective records show a rank that skipped or took another collective),
 sync_verify_failed / sync_failed (rlslurm/sync/protocol.py), engine_failed (the controller's engine
-calls), reward_service_down (rlslurm/reward/supervisor.py), heartbeat_unwritable / heartbeat_restored
-(diag/heartbeat.py) and node_agent_died (diag/agent.py): the ops kit's own failures, done / sft_finished,
-start / resume. SLURM's
+calls), reward_service_down (rlslurm/reward/supervisor.py), checkpoint_failed / checkpoint_skipped
+(rlslurm/checkpoint.py: a save that failed, a damaged checkpoint a start skipped), heartbeat_unwritable /
+heartbeat_restored (diag/heartbeat.py) and node_agent_died (diag/agent.py): the ops kit's own failures,
+done / sft_finished, start / resume. SLURM's
 state and the log tails cover what no process lives to say (OOM kill, node failure, time limit,
 preemption). tests/data/diag/ holds a recorded run of each cause (tests/unit/test_diag_recorded.py).
 """
@@ -50,8 +51,9 @@ class Facts:
 @dataclass
 class Cause:
     kind: str
-    """oom, desync, hang, sync_failure, engine_crash, reward_down, node_failure, time_limit, preempted,
-    env_mismatch, exception, heartbeat_unwritable, agent_died, running, finished, unknown."""
+    """oom, disk_full, checkpoint_failed, rank_crash, desync, hang, sync_failure, engine_crash, reward_down,
+    node_failure, time_limit, preempted, env_mismatch, exception, heartbeat_unwritable, agent_died,
+    checkpoint_damaged, running, finished, unknown."""
     headline: str
     evidence: list[str] = field(default_factory=list)
 
@@ -123,6 +125,19 @@ def classify(facts: Facts) -> list[Cause]:
                   for e in ev.select(facts.events, ev.PREFLIGHT_FORCED) for problem in e.get("problems") or []]
         causes.append(Cause("oom", f"out of memory ({where})",
                             forced + (_tail_lines(facts.logs, oom[0]) if oom else [])))
+    for e in ev.select(now_events, ev.CHECKPOINT_FAILED)[:1]:
+        # A failed save raises in its rank (phase_failed, often a torch serialization error that hides the
+        # errno): the save and what it met are the cause.
+        kept = f"the newest complete checkpoint {e['newest_complete']} is intact and is what resume takes" if \
+            e.get("newest_complete") else "no complete checkpoint was written before it"
+        free = f"{e['free_bytes']:,} bytes free" if e.get("free_bytes") is not None else "free space unknown"
+        what = "no space left on device" if e.get("disk_full") else "checkpoint write failed"
+        causes.append(Cause("disk_full" if e.get("disk_full") else "checkpoint_failed",
+                            f"{what} while checkpointing step {e.get('step')} ({e.get('role')}-{e.get('rank')}: "
+                            f"{free} on {e.get('filesystem')}); {kept}", [str(e.get("error"))]))
+    crashed = rank_crashes(facts, now_events, alive)
+    if crashed:
+        causes.append(crashed)
     for e in ev.select(now_events, ev.HANG_DETECTED)[-1:]:
         coll = e.get("collective")
         waiting = ", ".join(e.get("waiting") or []) or "none"
@@ -193,6 +208,12 @@ def classify(facts: Facts) -> list[Cause]:
         causes.append(Cause("time_limit", "time limit reached (SLURM TIMEOUT)"))
     if state == "PREEMPTED" or _grep(facts.logs, re.compile(r"DUE TO PREEMPTION")):
         causes.append(Cause("preempted", "preempted by SLURM"))
+    srun = _grep(facts.logs, _SRUN_TASK_DIED)
+    if srun and not crashed and not {"node_failure", "time_limit", "preempted"} & {c.kind for c in causes}:
+        # SLURM kills every task at a time limit, preemption or node failure too: only a death of its own counts.
+        name, m = srun
+        causes.append(Cause("rank_crash", f"trainer rank crash: srun says task {m.group(2)} on {m.group(1)}: "
+                            f"{m.group(3)} ({name})", _tail_lines(facts.logs, name)))
     failed = ev.select(now_events, ev.PHASE_FAILED)
     if failed:
         e = failed[0]  # the first failure is the cause; later ones are usually its echo on other ranks
@@ -206,7 +227,7 @@ def classify(facts: Facts) -> list[Cause]:
                                 [hit[1].group(0)]))
     # The kit's own failures name a job that is otherwise fine (still running, or nothing else found)
     # before it is called running; a finished job is named finished first, with them after it.
-    ops = ops_causes(now_events)
+    ops = ops_causes(now_events) + damaged_checkpoints(facts.events)
     causes += ops
     if alive and len(causes) == len(ops):
         steps = sorted({hb.get("step") for hb in alive if hb.get("step") is not None})
@@ -239,6 +260,48 @@ def ops_causes(now_events: list[dict]) -> list[Cause]:
                             f"{e.get('cause')}; {then}",
                             [f"agent log: {e.get('log')}"] + str(e.get("log_tail") or "").splitlines()))
     return causes
+
+
+_SRUN_TASK_DIED = re.compile(r"srun: error: (\S+): tasks? ([\d,-]+): (Killed|Segmentation fault|Bus error|Aborted)")
+
+
+def rank_crashes(facts: Facts, now_events: list[dict], alive: list[dict]) -> Cause | None:
+    """A trainer rank that died without a word (SIGKILL, a segfault, the kernel's OOM killer) while another
+    rank of the job outlived it: its heartbeat still says `running` but its process is gone (on this host;
+    on another host srun's "task N: Killed" line is read later, after SLURM's own kills). Its peers then fail
+    in a collective or hang: the symptom, named after.
+    When every rank died that way nothing outlived them to go on (`unknown`)."""
+    train = [hb for hb in facts.heartbeats if hb.get("role") == "train"]
+    dead = [hb for hb in train if hb.get("state") == "running" and hb.get("host") == facts.host
+            and not facts.pid_alive(hb)]
+    if dead and len(dead) < len(train):
+        first = min(dead, key=lambda hb: float(hb.get("t") or hb.get("last_progress") or 0))
+        others = [f"{e.get('role')}-{e.get('rank')} then failed in phase {e.get('phase')}: {e.get('error')}"
+                  for e in ev.select(now_events, ev.PHASE_FAILED)]
+        others += [f"{label(hb)} then ended {hb.get('state')} at step {hb.get('step')}" for hb in facts.heartbeats
+                   if hb.get("state") in ("failed", "exited")]
+        others += [f"{label(hb)} still runs, in {hb.get('phase')}" for hb in alive]
+        return Cause("rank_crash", f"trainer rank crash: {label(first)} (pid {first.get('pid')} on "
+                     f"{first.get('host')}) died in phase {first.get('phase')} step {first.get('step')} without a "
+                     f"Python exception or a clean exit (a signal: SIGKILL, a segfault or the kernel's OOM killer)",
+                     others)
+    return None
+
+
+def damaged_checkpoints(events: list[dict]) -> list[Cause]:
+    """Checkpoints the last start skipped as damaged (complete-looking, failing their manifest): it resumed
+    from an older one and made those steps again. Its `checkpoint_skipped` events come just before its
+    `start`/`resume` event, so they are read from the attempt before the cut too."""
+    starts = [i for i, e in enumerate(events) if ev.kind_of(e) in (ev.START, ev.RESUME)]
+    if not starts:
+        return []
+    begin = starts[-2] + 1 if len(starts) > 1 else 0
+    start = events[starts[-1]]
+    frm = (f"resumed from {start.get('checkpoint')} (step {start.get('step')})" if ev.kind_of(start) == ev.RESUME
+           else "started from scratch (no intact checkpoint left)")
+    return [Cause("checkpoint_damaged", f"damaged checkpoint skipped: {e.get('checkpoint')} ({e.get('reason')}), "
+                  f"kept aside as {e.get('moved_to')}; {frm}", [str(e)])
+            for e in ev.select(events[begin:starts[-1]], ev.CHECKPOINT_SKIPPED) if "moved_to" in e]
 
 
 def _tail_lines(logs: dict[str, str], name: str, n: int = 15) -> list[str]:

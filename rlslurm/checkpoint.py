@@ -28,6 +28,8 @@ When to save: `IntervalPolicy` (end of this module). `checkpoint:` in a job YAML
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -59,6 +61,9 @@ LATEST = "latest"
 PAUSE_ENV = "RLSLURM_TEST_PAUSE_IN_CHECKPOINT_S"
 """Test hook: `S`, `S@STEP` or `S@FIRST-LAST` pauses S seconds after the first file of a save (of a step
 >= STEP, or in FIRST..LAST), so a test can SIGKILL the writer while the checkpoint is half written."""
+
+DISK_FULL_BYTES = 1 << 20
+"""Free bytes under which a failed save is called a full disk when its error carries no errno (torch.save's)."""
 
 _COMPLETE = re.compile(r"^step-(\d{8})$")
 _TMP = re.compile(r"^\.tmp-step-(\d{8})-(\d+)$")
@@ -223,7 +228,36 @@ class CheckpointWriter:
         if exc_type is None:
             self.commit()
         else:
+            if isinstance(exc, Exception):
+                self._report_failure(exc)
             self.abort()
+
+    def _report_failure(self, exc: Exception) -> None:
+        """Event `checkpoint_failed`, measured before the temp dir goes: its partial files still hold the space
+        the write met. torch.save turns ENOSPC into a RuntimeError with no errno ("PytorchStreamWriter failed
+        writing file"), so a full disk is told by the errno where there is one, else by the space left."""
+        code = next((e.errno for e in _chain(exc) if isinstance(e, OSError) and e.errno), None)
+        try:
+            stat = os.statvfs(self.tmp if self.tmp.exists() else self.run.checkpoints)
+            free_bytes = stat.f_bavail * stat.f_frsize
+        except OSError:
+            free_bytes = None
+        full = code in (errno.ENOSPC, errno.EDQUOT) or (free_bytes is not None and free_bytes < DISK_FULL_BYTES)
+        latest = self.run.checkpoints / LATEST
+        with contextlib.suppress(OSError):  # best effort: the disk that failed the write may fail this too
+            events.emit(self.run, events.CHECKPOINT_FAILED, step=self.step, checkpoint=self.tmp.name,
+                        error=f"{type(exc).__name__}: {exc}"[:500], disk_full=full, free_bytes=free_bytes,
+                        filesystem=str(self.run.checkpoints), errno=errno.errorcode.get(code) if code else None,
+                        newest_complete=latest.read_text().strip() if latest.is_file() else None)
+
+
+def _chain(exc: BaseException):
+    """`exc` and the exceptions it was raised from or during."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
 
 
 def write_rank_state(directory: Path, name: str, obj: Any) -> str:
@@ -331,18 +365,29 @@ def _writer_alive(pid: int) -> bool:
     return pid != os.getpid() and psutil.pid_exists(pid)
 
 
-def latest_complete(run: RunDir, *, tidy: bool = True) -> Checkpoint | None:
-    """The newest complete, verified checkpoint of `run`, or None; newer broken ones are skipped with an event.
+@dataclass(frozen=True)
+class Survey:
+    """What a resume would start from: the newest complete, verified checkpoint, and the newer ones skipped."""
 
-    With `tidy`, corrupt ones are renamed aside and temp dirs of dead writers removed (the sole writer calls this).
+    chosen: Checkpoint | None
+    skipped: list[dict]
+    """Newer checkpoints skipped, newest first: `step`, `checkpoint` (name), `reason`; a complete-looking but
+    damaged one also `moved_to` (where `tidy` renamed it; its own name without)."""
+
+
+def survey(run: RunDir, *, tidy: bool = False) -> Survey:
+    """The newest complete, verified checkpoint of `run` and the newer broken ones, without events.
+
+    With `tidy`, corrupt ones are renamed aside and temp dirs of dead writers removed (the sole writer does this).
     """
     chosen: Checkpoint | None = None
+    skipped: list[dict] = []
     for step, path, pid in _scan(run):
         if pid is not None:
             alive = _writer_alive(pid)
             if chosen is None:
-                events.emit(run, events.CHECKPOINT_SKIPPED, step=step, checkpoint=path.name,
-                            reason=f"incomplete: no manifest, writer pid {pid} {'alive' if alive else 'dead'}")
+                skipped.append({"step": step, "checkpoint": path.name,
+                                "reason": f"incomplete: no manifest, writer pid {pid} {'alive' if alive else 'dead'}"})
             if tidy and not alive:
                 shutil.rmtree(path, ignore_errors=True)
             continue
@@ -356,9 +401,19 @@ def latest_complete(run: RunDir, *, tidy: bool = True) -> Checkpoint | None:
         if tidy:
             moved = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
             os.rename(path, moved)
-        events.emit(run, events.CHECKPOINT_SKIPPED, step=step, checkpoint=path.name, reason=reason,
-                    moved_to=moved.name)
-    return chosen
+        skipped.append({"step": step, "checkpoint": path.name, "reason": reason, "moved_to": moved.name})
+    return Survey(chosen, skipped)
+
+
+def latest_complete(run: RunDir, *, tidy: bool = True) -> Checkpoint | None:
+    """The newest complete, verified checkpoint of `run`, or None; newer broken ones are skipped with an event.
+
+    With `tidy`, corrupt ones are renamed aside and temp dirs of dead writers removed (the sole writer calls this).
+    """
+    found = survey(run, tidy=tidy)
+    for skip in found.skipped:
+        events.emit(run, events.CHECKPOINT_SKIPPED, **skip)
+    return found.chosen
 
 
 def prune(run: RunDir, keep: int) -> list[Path]:

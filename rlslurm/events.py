@@ -127,6 +127,11 @@ REQUEUE_FAILED = declare("requeue_failed", "scontrol requeue failed: the job doe
 CHECKPOINT_SAVED = declare("checkpoint_saved", "a checkpoint is complete (manifest written, renamed into place)",
                            by="rlslurm/checkpoint.py", required=("step", "checkpoint", "seconds", "bytes"),
                            informational=True)
+CHECKPOINT_FAILED = declare("checkpoint_failed", "writing a checkpoint failed: its temp dir is removed, the newest "
+                            "complete one stays what resume takes (`disk_full`: no space left)",
+                            by="rlslurm/checkpoint.py",
+                            required=("step", "checkpoint", "error", "disk_full", "free_bytes", "filesystem"),
+                            optional=("errno", "newest_complete"))
 CHECKPOINT_SKIPPED = declare("checkpoint_skipped", "resume skipped a broken or half-written checkpoint",
                              by="rlslurm/checkpoint.py", required=("step", "checkpoint", "reason"),
                              optional=("moved_to",))

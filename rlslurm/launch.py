@@ -17,6 +17,7 @@ would use, and creates and submits nothing.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import re
@@ -47,6 +48,8 @@ class Submission:
     backend: str
     run_dir: Path
     job: object  # the submitit Job, to wait on its result
+    notes: tuple[str, ...] = ()
+    """Lines the command prints after the job id (resume: the checkpoint it goes on from, the ones it skips)."""
 
 
 def resolve_backend(job: JobConfig, override: str | None = None) -> str:
@@ -191,7 +194,21 @@ def resume(target: str, *, overrides: tuple[str, ...] = (), force: bool = False,
         secret.ensure(run.secret)  # the run's own secret again (made here for a run submitted before there was one)
         # A new series of starts: the no-progress count (lifecycle.on_start) does not reach back past it.
         run.record_start(resubmitted=True, after_job_id=previous, step=None)
-        return _launch(job, run, plan, resolve_backend(job, backend or last.get("backend")), resume_of=previous)
+        sub = _launch(job, run, plan, resolve_backend(job, backend or last.get("backend")), resume_of=previous)
+    return dataclasses.replace(sub, notes=resume_notes(run))
+
+
+def resume_notes(run: RunDir) -> tuple[str, ...]:
+    """What a resume goes on from, said on the command's own output: the newest complete checkpoint, and each
+    newer one it skips with the reason (the job skips the same ones at its start, with `checkpoint_skipped`
+    events, and renames a damaged one aside; this look changes nothing)."""
+    from rlslurm.checkpoint import survey
+
+    found = survey(run)
+    lines = [f"skips checkpoint {s['checkpoint']} (step {s['step']}): {s['reason']}" for s in found.skipped]
+    if found.chosen is None:
+        return (*lines, "resumes from: no complete checkpoint, training starts at step 0")
+    return (*lines, f"resumes from: checkpoint {found.chosen.path.name} (step {found.chosen.step})")
 
 
 @contextlib.contextmanager
@@ -359,6 +376,7 @@ def describe(sub: Submission) -> str:
     return "\n".join([
         f"submitted {sub.backend} job {sub.job_id}",
         f"run directory: {sub.run_dir}",
+        *sub.notes,
         f"follow: rlslurm status {shlex.quote(str(sub.run_dir))} --follow",
     ])
 

@@ -20,6 +20,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -98,12 +99,12 @@ def ended(sub: launch.Submission, timeout_s: float = WAIT_S) -> str:
 
 
 def toy_config(path: Path, *, steps: int = 6, step_delay_s: float = 0.05, diag: dict | None = None,
-               slurm: dict | None = None) -> Path:
+               slurm: dict | None = None, checkpoint_interval: int = 1000) -> Path:
     """The toy job (jobs/toytrain.py), 2 ranks on this machine; with `slurm` (cluster: keys), the spine's het
     job on the local Slurm instead: 1 train node (2 ranks) + 1 rollout node (tests/cluster/spine_util.py)."""
     data = {"job": {"name": path.stem, "kind": "toy"}, "hardware": {"profile": "cpu", "nodes": 1, "gpus_per_node": 2},
             "placement": {"mode": "colocate"}, "train": {"steps": steps, "step_delay_s": step_delay_s},
-            "checkpoint": {"interval_steps": 1000, "cost_s": 0.5}}
+            "checkpoint": {"interval_steps": checkpoint_interval, "cost_s": 0.5}}
     if slurm is not None:
         data.update(hardware={"profile": "cpu", "nodes": 2, "gpus_per_node": 2},
                     placement={"mode": "separate", "rollout_nodes": 1},
@@ -331,6 +332,81 @@ def agent_died(root: Path) -> Made:
     return Made(sub.run_dir, stops=[lambda: _kill_run(sub.run_dir), sub.job.cancel])
 
 
+# -- a trainer rank that dies without a word; checkpoints: a full disk, a damaged newest one ---------------
+
+def rank_crash(root: Path) -> Made:
+    """Trainer rank 1 SIGKILLed from outside past step 3 (as the kernel's OOM killer or a segfault ends a rank:
+    no exception, no exit of its own); rank 0 fails in its next all_reduce on the lost peer."""
+    sub = submit(toy_config(root / "rank_crash.yaml", steps=100_000, step_delay_s=0.2), root / "runs")
+    beat = wait_until("rank 1's third step",
+                      lambda: ((b := _beat(sub.run_dir, "train-1")).get("step") or 0) >= 3 and b, sub)
+    os.kill(int(beat["pid"]), signal.SIGKILL)
+    assert ended(sub) != "ok"
+    return Made(sub.run_dir)
+
+
+@contextlib.contextmanager
+def small_disk(path: Path, size_kib: int):
+    """A tmpfs of `size_kib` KiB mounted over the empty directory `path` (root only)."""
+    assert not any(path.iterdir()), f"{path} is not empty: a tmpfs over it would hide what is there"
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def disk_full(root: Path) -> Made:
+    """A toy run whose checkpoints directory is a 64 KiB tmpfs, mounted right after submit (before the first
+    save, seconds later): step 3's save (~36 KB) fits, step 6's meets ENOSPC, which torch.save reports as
+    "PytorchStreamWriter failed writing file"; the job fails and step 3's checkpoint stays intact."""
+    if os.geteuid() != 0:
+        pytest.skip("a full disk is made with a small tmpfs mount, which needs root")
+    stack = contextlib.ExitStack()
+    sub = submit(toy_config(root / "disk_full.yaml", steps=100, step_delay_s=0.2, checkpoint_interval=3),
+                 root / "runs")
+    stack.enter_context(small_disk(sub.run_dir / "checkpoints", 64))
+    try:
+        assert "No space left on device" in ended(sub), f"see {sub.run_dir}"
+        assert (sub.run_dir / "checkpoints" / "step-00000003" / "manifest.json").is_file()
+    except BaseException:
+        stack.close()
+        raise
+    return Made(sub.run_dir, stops=[stack.close])
+
+
+def checkpoint_damaged(root: Path) -> Made:
+    """A toy run of 6 steps saving every 3, whose newest checkpoint (step 6) then has one byte of its
+    weights flipped (as a bad disk or a partial copy leaves it). `rlslurm resume --set train.steps=100000`
+    says, on its own output, that it skips step 6 (sha256 mismatch) and resumes from step 3; recorded while
+    the resumed run trains past step 4 (`close()` ends it)."""
+    from click.testing import CliRunner
+
+    from rlslurm.cli.main import cli
+
+    sub = submit(toy_config(root / "checkpoint_damaged.yaml", steps=6, step_delay_s=0.2, checkpoint_interval=3),
+                 root / "runs")
+    assert ended(sub) == "ok"
+    weights = sub.run_dir / "checkpoints" / "step-00000006" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    resumed_at = time.time()
+    said = CliRunner().invoke(cli, ["resume", str(sub.run_dir), "--set", "train.steps=100000"], catch_exceptions=False)
+    assert said.exit_code == 0, said.output
+    assert "skips checkpoint step-00000006 (step 6): sha256 mismatch in model.safetensors" in said.output, said.output
+    assert "resumes from: checkpoint step-00000003 (step 3)" in said.output, said.output
+    job_id = re.search(r"submitted local job (\S+)", said.output).group(1)
+    wait_until("the resumed run's fourth step", lambda: any(
+        r.get("step") == 4 and r["t"] > resumed_at for r in read_jsonl(sub.run_dir / "metrics.jsonl")))
+    return Made(sub.run_dir, stops=[lambda: _kill_run(sub.run_dir), lambda: _cancel_local(job_id)])
+
+
+def _cancel_local(job_id: str) -> None:
+    with contextlib.suppress(ProcessLookupError, ValueError):
+        os.kill(int(job_id), signal.SIGKILL)  # submitit's local job id is its controller's pid
+
+
 # -- the local Slurm (tests/data/diag/record.py --cluster starts one): time limit, preemption, node failure --
 
 def _slurm_toy(root: Path, name: str, **kw) -> launch.Submission:
@@ -396,5 +472,6 @@ CLUSTER = {"time_limit": time_limit, "preempted": preempted, "node_failure": nod
 LOCAL = {"finished": finished, "exception": exception, "hang": hang, "desync": desync, "running": running,
          "unknown": unknown,
          "oom": oom, "reward_down": reward_down, "sync_failure": sync_failure, "env_mismatch": env_mismatch,
-         "engine_crash": engine_crash, "heartbeat_unwritable": heartbeat_unwritable, "agent_died": agent_died}
+         "engine_crash": engine_crash, "heartbeat_unwritable": heartbeat_unwritable, "agent_died": agent_died,
+         "rank_crash": rank_crash, "disk_full": disk_full, "checkpoint_damaged": checkpoint_damaged}
 """Cause (as `rlslurm diag` names it) -> the scenario that makes it happen here."""

@@ -1,7 +1,8 @@
-"""`rlslurm diag` names the cause of a real RL run that failed for it: the reward service gone past its restart
-budget, a weight sync whose VERIFY failed, an engine that died. Each run is made by
-tests/integration/failures.py (local backend: real trainer ranks, engine server, reward service), then the
-CLI runs on its run directory, as a user would.
+"""`rlslurm diag` names the cause of a real run that failed for it: the reward service gone past its restart
+budget, a weight sync whose VERIFY failed, an engine that died, a trainer rank killed (its peer's error is the
+symptom), a full disk while checkpointing, a damaged newest checkpoint skipped at resume (and said by `rlslurm
+resume` itself). Each run is made by tests/integration/failures.py (local backend: real trainer ranks, engine
+server, reward service), then the CLI runs on its run directory, as a user would.
 
     python -m pytest -q tests/integration/test_diag_causes.py      # ~1 min per run on 2 idle cores
 """
@@ -62,3 +63,36 @@ def test_engine_killed_mid_run(tmp_path):
     out = diag(made.run, tmp_path)
     assert re.search(rf"^cause: rollout engine crash: {re.escape(failed['url'])} \(node \S+, pid {failed['pid']}, "
                      rf"exit code -9\): (POST|GET) /\S+ failed: ConnectError", out, re.MULTILINE), out
+
+
+def test_trainer_rank_killed_is_named_not_its_peer(tmp_path):
+    made = failures.rank_crash(tmp_path)
+    out = diag(made.run, tmp_path)
+    assert re.search(r"^cause: trainer rank crash: train-1 \(pid \d+ on \S+\) died in phase \w+ step \d+ without a "
+                     r"Python exception", out, re.MULTILINE), out
+    assert "train-0 then ended failed" in out
+
+
+def test_disk_full_while_checkpointing(tmp_path):
+    made = failures.disk_full(tmp_path)
+    try:
+        (failed,) = events.read_events(RunDir(made.run), events.CHECKPOINT_FAILED)
+        assert (failed["step"], failed["errno"], failed["disk_full"], failed["newest_complete"]) == \
+            (6, "ENOSPC", True, "step-00000003")
+        assert not list((made.run / "checkpoints").glob(".tmp-*")), "the failed save left its temp dir"
+        out = diag(made.run, tmp_path)
+    finally:
+        made.close()
+    assert re.search(r"^cause: no space left on device while checkpointing step 6 \(train-0: 0 bytes free on \S+\); "
+                     r"the newest complete checkpoint step-00000003 is intact", out, re.MULTILINE), out
+
+
+def test_a_damaged_newest_checkpoint_is_skipped_and_said(tmp_path):
+    made = failures.checkpoint_damaged(tmp_path)  # asserts what `rlslurm resume` printed
+    try:
+        out = diag(made.run, tmp_path)
+    finally:
+        made.close()
+    assert re.search(r"^cause: damaged checkpoint skipped: step-00000006 \(sha256 mismatch in model.safetensors\), "
+                     r"kept aside as step-00000006.corrupt-\d+; resumed from step-00000003 \(step 3\)$", out,
+                     re.MULTILINE), out

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlslurm.checkpoint import Checkpoint, CheckpointWriter, latest_complete, prune, write_rank_state
+from rlslurm.checkpoint import Checkpoint, CheckpointWriter, latest_complete, prune, survey, write_rank_state
 from rlslurm.errors import CheckpointError
 from rlslurm.events import read_events
 from rlslurm.rundir import RunDir
@@ -85,6 +85,34 @@ def test_error_inside_the_block_leaves_no_checkpoint(run):
             raise RuntimeError("boom")
     assert list(run.checkpoints.iterdir()) == []
     assert latest_complete(run) is None
+
+
+def test_a_failed_save_says_so_and_keeps_the_newest_complete(run):
+    _save(run, 2)
+    with pytest.raises(OSError):
+        with CheckpointWriter(run, 4) as ckpt:
+            ckpt.save_json("trainer", {})
+            raise OSError(28, "No space left on device")  # a real full disk: failures.disk_full
+    (event,) = read_events(run, "checkpoint_failed")
+    assert (event["step"], event["errno"], event["disk_full"], event["newest_complete"]) == \
+        (4, "ENOSPC", True, "step-00000002")
+    assert event["free_bytes"] > 0 and event["error"] == "OSError: [Errno 28] No space left on device"
+    with pytest.raises(RuntimeError):  # no errno and plenty of room: a failure, not a full disk
+        with CheckpointWriter(run, 6):
+            raise RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed")
+    assert read_events(run, "checkpoint_failed")[-1]["disk_full"] is False
+    assert latest_complete(run).step == 2 and sorted(p.name for p in run.checkpoints.iterdir()) == \
+        ["latest", "step-00000002"]
+
+
+def test_survey_names_what_a_resume_skips_and_changes_nothing(run):
+    _save(run, 10)
+    (_save(run, 20).saved.path / "trainer.json").write_text("{}")
+    found = survey(run)
+    assert found.chosen.step == 10
+    assert found.skipped == [{"step": 20, "checkpoint": "step-00000020", "moved_to": "step-00000020",
+                              "reason": "size mismatch in trainer.json: 2 bytes on disk, manifest says 15"}]
+    assert (run.checkpoints / "step-00000020").is_dir() and read_events(run, "checkpoint_skipped") == []
 
 
 def test_bad_or_repeated_file_names_are_refused(run):
