@@ -54,6 +54,15 @@ class SecretGate(wire.Protect):
                          open_data=bool(limits.get("open_data", False)),
                          max_body_bytes=lambda path: body if path.startswith("/v1/") else ADMIN_BODY_BYTES)
 
+    async def __call__(self, scope, receive, send):
+        # Default deny reaches WebSockets too (vLLM serves some, e.g. realtime audio): Protect passes every
+        # scope that is not HTTP through, which suits rlslurm's own servers (they have none) but not vLLM's.
+        if scope["type"] == "websocket":
+            presented = dict(scope["headers"]).get(b"authorization")
+            if not secret.matches(presented.decode("latin-1") if presented else None, self.token):
+                return await send({"type": "websocket.close", "code": 1008})
+        return await super().__call__(scope, receive, send)
+
     def check_body(self, path: str, body: bytes) -> str | None:
         if not path.startswith("/v1/") or not body:
             return None

@@ -59,3 +59,29 @@ def test_the_gate_refuses_to_start_without_a_secret(monkeypatch):
     monkeypatch.delenv(secret.ENV_VAR, raising=False)
     with pytest.raises(RunDirError):
         SecretGate(app=None)
+
+
+def test_the_gate_closes_a_websocket_without_the_secret(tmp_path, monkeypatch):
+    import asyncio
+
+    path = secret.ensure(tmp_path / "secret")
+    monkeypatch.setenv(secret.ENV_VAR, str(path))
+    reached: list = []
+
+    async def app(scope, receive, send):
+        reached.append(scope["path"])
+
+    gate, sent = SecretGate(app), []
+
+    async def send(message):
+        sent.append(message)
+
+    def connect(headers):
+        scope = {"type": "websocket", "path": "/v1/realtime", "headers": headers}
+        asyncio.run(gate(scope, None, send))
+
+    connect([])
+    connect([(b"authorization", b"Bearer wrong")])
+    assert sent == [{"type": "websocket.close", "code": 1008}] * 2 and not reached
+    connect([(b"authorization", f"Bearer {secret.read(path)}".encode())])
+    assert reached == ["/v1/realtime"]
