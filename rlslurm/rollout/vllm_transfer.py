@@ -20,12 +20,13 @@ worker: no byte passes through the API server or any other process, and the engi
 
 from __future__ import annotations
 
-import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
+from vllm.logger import init_logger
 
-log = logging.getLogger(__name__)
+log = init_logger("vllm.rlslurm.weight_transfer")  # under vLLM's logger: the engine's log shows it, from a worker
 
 BACKEND = "rlslurm"
 """The name the engine is registered under: `--weight-transfer-config '{"backend": "rlslurm"}'`."""
@@ -85,13 +86,16 @@ class _ModelSink:
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
+        self.load_s = 0.0  # in model.load_weights (and the copy before it), of this update
 
     def load_weights(self, named) -> int:
+        started = time.perf_counter()
         # Copies: vLLM's layerwise reload keeps a loaded tensor until its layer is complete, and the landing
         # receives the next buckets into the same scratch buffers (measured: gate_proj of bucket k came out
         # as bucket k+4's bytes). A file's mapped tensors would survive, but one rule is simpler.
         named = [(name, t.clone()) for name, t in named]
         self.model.load_weights(named)
+        self.load_s += time.perf_counter() - started
         return sum(t.numel() * t.element_size() for _, t in named)
 
 
@@ -119,6 +123,7 @@ class RlslurmTransferEngine(WeightTransferEngine[RlslurmInitInfo, RlslurmUpdateI
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
         self.group = None
+        self.seconds: dict[str, float] = {}  # where this update's time went, logged at its finish
 
     def _tp_rank(self) -> int:
         from vllm.distributed import get_tensor_model_parallel_rank
@@ -136,19 +141,28 @@ class RlslurmTransferEngine(WeightTransferEngine[RlslurmInitInfo, RlslurmUpdateI
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        started = time.perf_counter()
         initialize_layerwise_reload(self.model)
+        self.seconds = {"start": time.perf_counter() - started, "receive": 0.0, "load": 0.0}
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+        started = time.perf_counter()
         finalize_layerwise_reload(self.model, self.model_config)
         _retie_lm_head(self.model, self.model_config.hf_config)
+        t = {**self.seconds, "finish": time.perf_counter() - started}
+        log.info("rlslurm weight transfer on TP rank %d: start %.3f s, receive %.3f s (load_weights %.3f s of it), "
+                 "finish (layerwise reload, re-pack) %.3f s", self._tp_rank(), t.get("start", 0.0),
+                 t.get("receive", 0.0), t.get("load", 0.0), t["finish"])
 
     def receive_weights(self, update_info: RlslurmUpdateInfo) -> None:
         from rlslurm.sync import disk, ipc
         from rlslurm.sync.landing import Landing
 
-        landing = Landing(_ModelSink(self.model), staged=False)
+        started = time.perf_counter()
+        sink = _ModelSink(self.model)
+        landing = Landing(sink, staged=False)
         if update_info.kind == "broadcast":
             if self.group is None:
                 raise RuntimeError("no broadcast group: POST /init_weight_transfer_engine first")
@@ -164,8 +178,10 @@ class RlslurmTransferEngine(WeightTransferEngine[RlslurmInitInfo, RlslurmUpdateI
                         ready=update_info.ready, timeout_s=update_info.timeout_s)
         else:
             raise ValueError(f"update kind {update_info.kind!r}: rlslurm's engine takes broadcast, disk or ipc")
-        log.info("rlslurm weight transfer: %s update of %d bytes landed on TP rank %d", update_info.kind,
-                 landing.bytes, self._tp_rank())
+        self.seconds["receive"] = self.seconds.get("receive", 0.0) + time.perf_counter() - started
+        self.seconds["load"] = self.seconds.get("load", 0.0) + sink.load_s
+        log.debug("rlslurm weight transfer: %s update of %d bytes landed on TP rank %d", update_info.kind,
+                  landing.bytes, self._tp_rank())
 
     def shutdown(self) -> None:
         self.group = None
