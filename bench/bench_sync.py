@@ -3,6 +3,7 @@
     python bench/bench_sync.py            # ~210 MB model, 8 timed syncs per method (~30 s on 2 cores)
     python bench/bench_sync.py --quick    # ~105 MB model, 4 timed syncs per method
     python bench/bench_sync.py --bucket-mb 16
+    python bench/bench_sync.py --engine vllm   # vLLM's own server (rollout.engine: vllm) through its RL API
 
 A synthetic Llama (hidden 512, float32) is saved in Hugging Face layout and served by one real engine
 server process (rlslurm/rollout/server.py, 1 torch thread). For each method the full protocol runs
@@ -184,10 +185,26 @@ def measure(method: str, tensors: dict, client, folder: Path, reps: int, version
     return out
 
 
-def run(quick: bool = False, log=print, bucket_mb: float = 64.0) -> dict:
-    """Measure every method and its raw transport; returns {"model_mb", "methods": {name: {...}}}."""
+def start_engine(engine: str, model_dir: Path, folder: Path):
+    """hf: rlslurm's engine server (1 torch thread); vllm: vLLM's OpenAI server in the vLLM venv
+    (RLSLURM_VLLM_PYTHON, else .venv-vllm), synced through vLLM's RL routes (rlslurm/rollout/vllm_serve.py)."""
+    import os
+
     from rlslurm.rollout.client import spawn_engine
     from rlslurm.sync.broadcast import free_port
+
+    if engine == "vllm":
+        from rlslurm.rollout.vllm_serve import spawn_vllm_serve
+
+        here = Path(__file__).resolve().parents[1]
+        python = os.environ.get("RLSLURM_VLLM_PYTHON") or str(here / ".venv-vllm" / "bin" / "python")
+        return spawn_vllm_serve(model_dir, port=free_port(), log_path=folder / "engine.log", python=python)
+    return spawn_engine(model_dir, port=free_port(), log_path=folder / "engine.log", extra_args=["--threads", "1"],
+                        env={"HF_HUB_OFFLINE": "1"})
+
+
+def run(quick: bool = False, log=print, bucket_mb: float = 64.0, engine: str = "hf") -> dict:
+    """Measure every method and its raw transport; returns {"model_mb", "start_s", "methods": {name: {...}}}."""
     from rlslurm.tinymodel import save_hf
 
     torch.set_num_threads(1)  # the engine has one thread too: compare like with like on a shared host
@@ -199,18 +216,21 @@ def run(quick: bool = False, log=print, bucket_mb: float = 64.0) -> dict:
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         log(f"bench_sync: {nbytes / 1e6:.1f} MB in {len(tensors)} tensors, buckets of {bucket_mb:g} MB, "
             f"{reps} timed syncs per method")
-        engine = spawn_engine(folder / "model", port=free_port(), log_path=folder / "engine.log",
-                              extra_args=["--threads", "1"], env={"HF_HUB_OFFLINE": "1"})
+        started = time.perf_counter()
+        server = start_engine(engine, folder / "model", folder)
+        start_s = time.perf_counter() - started
+        log(f"  {engine} engine answered /health {start_s:.1f} s after its start")
         methods = {}
         try:
             for k, method in enumerate(("disk", "broadcast", "ipc")):
-                m = measure(method, tensors, engine.client, folder, reps, 1 + k * (WARMUP + reps), bucket_mb)
+                m = measure(method, tensors, server.client, folder, reps, 1 + k * (WARMUP + reps), bucket_mb)
                 methods[method] = m
                 log(f"  {method}: drain {m['drain_s']:.3f} update {m['update_s']:.3f} verify {m['verify_s']:.3f} "
                     f"resume {m['resume_s']:.3f} s; raw {m['raw_s']:.3f} s; sync {m['wall_s']:.3f} s")
         finally:
-            engine.stop()
-    return {"model_mb": nbytes / 1e6, "reps": reps, "bucket_mb": bucket_mb, "methods": methods}
+            server.stop()
+    return {"model_mb": nbytes / 1e6, "reps": reps, "bucket_mb": bucket_mb, "engine": engine, "start_s": start_s,
+            "methods": methods}
 
 
 def rows(result: dict) -> list[dict]:
@@ -236,10 +256,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller model, fewer repetitions")
     ap.add_argument("--bucket-mb", type=float, default=64.0, help="sync.bucket_mb for broadcast and ipc")
+    ap.add_argument("--engine", choices=("hf", "vllm"), default="hf",
+                    help="hf: rlslurm's engine server; vllm: vLLM's own server through its RL API")
     args = ap.parse_args()
-    result = run(args.quick, bucket_mb=args.bucket_mb)
-    print(f"\nsync of {result['model_mb']:.1f} MB to one engine on loopback, buckets of {result['bucket_mb']:g} MB, "
-          f"median of {result['reps']}:")
+    result = run(args.quick, bucket_mb=args.bucket_mb, engine=args.engine)
+    print(f"\nsync of {result['model_mb']:.1f} MB to one {result['engine']} engine on loopback (up in "
+          f"{result['start_s']:.1f} s), buckets of {result['bucket_mb']:g} MB, median of {result['reps']}:")
     print(f"{'method':10} {'drain s':>8} {'update s':>9} {'verify s':>9} {'resume s':>9} {'raw s':>7} {'sync s':>7}")
     for name, m in result["methods"].items():
         print(f"{name:10} {m['drain_s']:8.3f} {m['update_s']:9.3f} {m['verify_s']:9.3f} {m['resume_s']:9.3f} "

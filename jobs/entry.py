@@ -71,6 +71,10 @@ def _start_components(run: RunDir, job: JobConfig) -> list:
                                              srun_args=["--open-mode=append", *srun_args]))
         events.emit(run, events.COMPONENT_STARTED, component=comp.group, component_role=role, partition=comp.partition,
                     nodes=list(comp.nodes), job_kind=job.job.kind, srun_args=srun_args)
+    if steps:  # a lost node must requeue every component, not only its own (rlslurm/slurm/rejoin.py)
+        from rlslurm.slurm import rejoin
+
+        rejoin.arm(run, ctx.leader_job_id, [c.job_id for c in ctx.components])
     return steps
 
 

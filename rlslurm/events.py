@@ -160,10 +160,15 @@ NODE_AGENT_DIED = declare("node_agent_died", "the node agent (diag/watchdog.py) 
 ENV_DIFF = declare("env_diff", "the controller's env-fingerprint check before the first sync found differences",
                    by="rlslurm/rl/controller.py", required=("report", "ok"))
 NODE_LOST = declare("node_lost", "a restart found a node of the previous attempt gone in SLURM (DOWN, not "
-                    "responding, drained): the node the job lost, and SLURM's reason", by="rlslurm/lifecycle.py",
+                    "responding, drained): the node the job lost, and SLURM's reason",
+                    by=("rlslurm/lifecycle.py", "rlslurm/slurm/rejoin.py"),
                     required=("node", "state", "reason", "restart_count"))
 FAULT_INJECTED = declare("fault_injected", "a test hook of the toy job injected a fault", by="jobs/toytrain.py",
                          required=("fault", "step", "mode"), optional=("op", "seq"), informational=True)
+COMPONENTS_REQUEUED = declare("components_requeued", "SLURM requeued some of the het job's components and ended the "
+                              "others (a lost node): rlslurm's strigger requeued the whole job, off the lost nodes",
+                              by="rlslurm/slurm/rejoin.py", required=("job_id", "fired_by", "states", "excluded",
+                                                                      "result"), informational=True)
 
 # -- RL: engines, weight sync, steps -------------------------------------------------------------------
 

@@ -131,8 +131,10 @@ def name_lost_nodes(run: RunDir, restart_count: int,
         from rlslurm.slurm.commands import show_node
     before = {p["node"] for p in read_jsonl(run.path / "placement.jsonl")
               if p.get("restart_count") == restart_count - 1 and p.get("node")}
+    # rlslurm/slurm/rejoin.py names the nodes it kept the job off before this start: not twice
+    said = {e.get("node") for e in events.read_events(run, events.NODE_LOST) if e.get("restart_count") == restart_count}
     lost = []
-    for node in sorted(before):
+    for node in sorted(before - said):
         try:
             record = (show_node(node) or [{}])[0]
         except SlurmCommandError as e:  # a node SLURM no longer knows is lost too; say why

@@ -8,6 +8,8 @@ progress.py), the last complete checkpoint, and the last events.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +38,8 @@ class Status:
     progress: str | None = None
     ops: list[str] = field(default_factory=list)
     """What is wrong with the ops kit itself this attempt: heartbeats that cannot be written, node agents that died."""
+    excluded: list[dict] = field(default_factory=list)
+    """Nodes a lost-node requeue asked SLURM to keep the job off (<run>/excluded_nodes.json, slurm/rejoin.py)."""
 
 
 def slurm_components(job_id: str) -> list[dict]:
@@ -105,6 +109,10 @@ def collect(target: str, run_root: str | Path | None = None) -> Status:
     status.last_events = all_events[-8:]
     status.ops = ops_problems(all_events)
     status.progress = Progress(run, total_steps=_total_steps(run)).poll()
+    from rlslurm.slurm.rejoin import EXCLUDED
+
+    with contextlib.suppress(OSError, ValueError):
+        status.excluded = json.loads((run.path / EXCLUDED).read_text())
     return status
 
 
@@ -156,6 +164,9 @@ def render(status: Status) -> str:
     if status.progress:
         lines.append(f"progress: {status.progress}")
     lines.append(f"last complete checkpoint: {status.checkpoint or 'none'}")
+    for x in status.excluded:
+        lines.append(f"kept off node {x.get('node')}: lost at restart {x.get('restart_count')} ({x.get('state')}: "
+                     f"{x.get('reason')}); SLURM was asked to exclude it")
     if status.ops:
         lines.append("ops kit:")
         lines += [f"  {line}" for line in status.ops]

@@ -73,6 +73,9 @@ class Protect:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
+        problem = self.check_body(path, b"".join(chunks))
+        if problem is not None:
+            return await _reply(send, 400, problem, "invalid_request_error")
         replayed = False
 
         async def replay():
@@ -84,6 +87,10 @@ class Protect:
             return await receive()
 
         return await self.app(scope, replay, send)
+
+    def check_body(self, path: str, body: bytes) -> str | None:
+        """A subclass's bounds on a body (e.g. vLLM's server, rollout/vllm_serve.py): a message = 400."""
+        return None
 
 
 def protect(app, token: str, *, open_paths: Iterable[str] = ("/health",), data_paths: Iterable[str] = (),

@@ -45,7 +45,7 @@ class Engines:
     rollout.max_restarts), or none left, fails the job as before (engine_failed, exit 6)."""
 
     def __init__(self, job: JobConfig, layout: JobLayout, run: RunDir, model_dir: Path):
-        from rlslurm.rollout.client import EngineClient, EngineRequestError
+        from rlslurm.rollout.client import EngineRequestError, connect
         from rlslurm.rollout.supervisor import EngineSupervisor, endpoint_path
 
         self.run, self.job = run, job
@@ -86,7 +86,9 @@ class Engines:
             record = _read_json(path)
             self.identity[url] = {"node": record.get("node"), "pid": record.get("pid"),
                                   "log": record.get("log") or str(run.logs / "rollout-*.log")}
-        self.clients = [EngineClient(url, job.rollout.request_timeout_s, token=token) for url in urls]
+        # rollout.engine vllm is vLLM's own server, whose client speaks its RL routes (rollout/client.py connect).
+        self.clients = [connect(url, job.rollout.request_timeout_s, token=token, engine=job.rollout.engine,
+                                tp=job.rollout.tp) for url in urls]
         self.live = [True] * len(self.clients)
         self.generations = [int(_read_json(path).get("generation") or 0) for path in self.files]
         self.version: int | None = None  # what every engine in rotation serves since the last sync
@@ -299,7 +301,7 @@ def engine_launch(job: JobConfig, run: RunDir, index: int, model_dir: Path, *, h
                              # the vLLM engine's share of a GPU (rollout/vllm_engine.py)
                              "RLSLURM_GPU_MEMORY_UTILIZATION": str(job.rollout.gpu_memory_utilization),
                              **network_env(job.network), **(env or {})},
-                        engine=job.rollout.engine, python=job.rollout.python,
+                        engine=job.rollout.engine, python=job.rollout.python, tp=job.rollout.tp,
                         ready_timeout_s=job.rollout.request_timeout_s, request_timeout_s=job.rollout.request_timeout_s)
 
 

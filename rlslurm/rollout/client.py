@@ -181,20 +181,39 @@ class EngineProcess:
         return self.proc.returncode
 
 
+def connect(url: str, timeout_s: float = 120.0, *, token: str | None = None, engine: str = "hf",
+            tp: int = 1) -> EngineClient:
+    """The client of an engine server announced at `url`: rollout.engine vllm is vLLM's own server."""
+    if engine == "vllm":
+        from rlslurm.rollout.vllm_client import VLLMServeClient
+
+        return VLLMServeClient(url, timeout_s, token=token, tp=tp)
+    return EngineClient(url, timeout_s, token=token)
+
+
 def spawn_engine(model_dir: str | Path, *, port: int, host: str = "127.0.0.1", log_path: str | Path,
                  secret_file: str | Path | None = None, extra_args: list[str] | None = None,
                  env: dict[str, str] | None = None, ready_timeout_s: float = 120.0, timeout_s: float = 120.0,
-                 engine: str = "hf", python: str | None = None) -> EngineProcess:
-    """Start `python -m rlslurm.rollout.server` and wait until it answers /health.
+                 engine: str = "hf", python: str | None = None, tp: int = 1) -> EngineProcess:
+    """Start `python -m rlslurm.rollout.server` and wait until it answers /health; rollout.engine vllm:
+    vLLM's own OpenAI server instead (rollout/vllm_serve.py), with `tp` workers and `extra_args`' limits.
 
     `engine` is rollout.engine (hf | vllm); `python` is rollout.python, the interpreter of the server
     process (None = this one; the vLLM engine lives in its own venv, .venv-vllm). `secret_file` is the
     job's (<run>/secret); without one the engine gets a secret of its own beside its log (mode 0600).
     The server is handed the file's path, never the secret: argv and env are visible to `ps`.
     """
+    if engine == "vllm":
+        from rlslurm.rollout.vllm_serve import spawn_for_server_args
+
+        return spawn_for_server_args(model_dir, port=port, host=host, log_path=log_path, secret_file=secret_file,
+                                     server_args=extra_args or [], env=env, timeout_s=timeout_s, tp=tp,
+                                     python=python or sys.executable, ready_timeout_s=max(ready_timeout_s, 300.0))
+    # "vllm-offline": rlslurm's own server around vLLM's offline LLM (rollout/vllm_engine.py), the engine
+    # rollout.engine vllm was before vLLM's server took its place; tests/vllm still compare the two.
     log_path = Path(log_path)
     secret_file = secret.ensure(secret_file or log_path.with_name(log_path.name + ".secret"))
-    cmd = [python or sys.executable, "-m", "rlslurm.rollout.server", "--engine", engine,
+    cmd = [python or sys.executable, "-m", "rlslurm.rollout.server", "--engine", engine.removesuffix("-offline"),
            "--model", str(model_dir), "--host", host, "--port", str(port), "--secret-file", str(secret_file),
            *(extra_args or [])]
     log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -84,6 +84,8 @@ class EngineLaunch:
     """rollout.engine."""
     python: str | None = None
     """rollout.python: its interpreter (None = this one)."""
+    tp: int = 1
+    """rollout.tp: a vLLM server's tensor-parallel workers."""
     ready_timeout_s: float = 120.0
     """Seconds a start may take to answer /health (rollout.request_timeout_s)."""
     request_timeout_s: float = 120.0
@@ -95,7 +97,7 @@ def launch(spec: EngineLaunch) -> EngineProcess:
     return spawn_engine(spec.model_dir, port=spec.port, host=spec.host, log_path=spec.log_path,
                         secret_file=spec.secret_file, extra_args=list(spec.args), env=spec.env,
                         ready_timeout_s=spec.ready_timeout_s, timeout_s=spec.request_timeout_s,
-                        engine=spec.engine, python=spec.python)
+                        engine=spec.engine, python=spec.python, tp=spec.tp)
 
 
 def endpoint_path(run: RunDir, index: int) -> Path:

@@ -182,6 +182,13 @@ def requeue(job_id: str, **kw) -> str:
     return f"scontrol requeue {job_id}"
 
 
+def strigger_fini(job_id: str, program: Sequence[str], **kw) -> None:
+    """`strigger --set --jobid=ID --fini --program=...`: slurmctld runs `program` (as the job's user, with the
+    job id appended) when job ID ends; the triggers set on it before are cleared first (one of ours per job)."""
+    run(["strigger", "--clear", f"--jobid={job_id}"], check=False, **kw)
+    run(["strigger", "--set", f"--jobid={job_id}", "--fini", "--program=" + " ".join(program)], **kw)
+
+
 def scancel(job_id: str, *, signal: str | None = None, batch: bool = False, full: bool = False, **kw) -> None:
     """`scancel [-s SIG] [-b|-f] ID`: with a signal, -b reaches the batch shell only, -f shell and steps,
     neither the steps only; without a signal the job is cancelled."""

@@ -123,13 +123,17 @@ class BroadcastTransport:
             return self.group
         self.close()
         port = self.port or free_port(self.host)
-        world = len(engines) + 1
+        # An engine is `group_ranks` members (vLLM's server: one per tensor-parallel worker, each receives the
+        # whole tensors and loads its shard), from its first rank on; rlslurm's own server is one.
+        sizes = [getattr(e, "group_ranks", 1) for e in engines]
+        firsts = [1 + sum(sizes[:i]) for i in range(len(engines))]
+        world = 1 + sum(sizes)
         self.generation += 1
-        log.info("building the sync group: %d engines, store %s:%d, timeout %.0f s",
-                 len(engines), self.host, port, timeout_s)
+        log.info("building the sync group: %d engines (%d ranks), store %s:%d, timeout %.0f s",
+                 len(engines), world - 1, self.host, port, timeout_s)
         with ThreadPoolExecutor(len(engines)) as pool:
-            joins = [pool.submit(e.broadcast_join, self.host, port, i + 1, world, self.generation, timeout_s)
-                     for i, e in enumerate(engines)]
+            joins = [pool.submit(e.broadcast_join, self.host, port, first, world, self.generation, timeout_s)
+                     for first, e in zip(firsts, engines)]
             group = BroadcastGroup.join(self.host, port, 0, world, timeout_s, generation=self.generation)
             for f in joins:
                 f.result()

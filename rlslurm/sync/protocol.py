@@ -168,7 +168,8 @@ class WeightSync:
             f"weight sync to version {version} via {self.transport.name} failed verification "
             f"{report.attempts} times: {len(problems)} tensors differ (first: {first['name']!r} on "
             f"{first['engine']}: expected {first['expected']}, engine has {first['actual']}); "
-            f"engines rolled back and left drained: {rolled}")
+            f"engines rolled back and left drained (a vLLM server keeps no previous weights: it stays paused until "
+            f"a sync passes): {rolled}")
 
     def _verify(self, expected: dict[str, str], timeout_s: float) -> list[dict]:
         return self._each(lambda e: e.verify(expected, timeout_s))

@@ -25,13 +25,13 @@ def save_tokenizer(path: Path, eos: bool = True) -> None:
     fast.save_pretrained(path)
 
 
-def tiny_llama(seed: int, hidden: int = 32, layers: int = 2, context: int = 128):
+def tiny_llama(seed: int, hidden: int = 32, layers: int = 2, context: int = 128, tied: bool = False):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=len(SPECIALS) + len(CHARS), hidden_size=hidden,
                          intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,
                          num_key_value_heads=2, max_position_embeddings=context, initializer_range=0.2,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=tied)
     torch.manual_seed(seed)
     return LlamaForCausalLM(config).eval()
 

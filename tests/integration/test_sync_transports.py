@@ -84,8 +84,9 @@ def test_sync_serves_the_new_weights_with_the_next_version(kind, engine, models,
     assert report.metrics()["sync_update_gbps"] > 0 and report.metrics()["sync_verify_s"] > 0
 
 
-@pytest.mark.parametrize("kind", TRANSPORTS)
-def test_a_tensor_corrupted_in_flight_is_never_served(kind, engine, models, reference, tmp_path):
+def fail_a_corrupted_sync(engine, kind, models, reference, tmp_path) -> tuple[int, int, int]:
+    """A sync to the next seed whose up_proj is corrupted in flight on the first try and its one retry:
+    VERIFY fails it, naming the tensor, with the events that say so. Returns (old seed, new seed, version before)."""
     old_seed = current_seed(engine, reference)
     new_seed = (old_seed + 1) % len(SEEDS)
     before = engine.client.version()
@@ -97,14 +98,19 @@ def test_a_tensor_corrupted_in_flight_is_never_served(kind, engine, models, refe
     assert "model.layers.1.mlp.up_proj.weight" in str(failed.value) and "2 times" in str(failed.value)
     assert fault.hits == 2  # the first try and its one retry
     assert checksums(weights(models[0][new_seed]).items()) == sent  # only copies in flight were hit
+    kinds = [e["kind"] for e in read_events(run)]
+    assert kinds == ["sync_verify_mismatch", "sync_verify_mismatch", "sync_verify_failed"]
+    return old_seed, new_seed, before
 
+
+@pytest.mark.parametrize("kind", TRANSPORTS)
+def test_a_tensor_corrupted_in_flight_is_never_served(kind, engine, models, reference, tmp_path):
+    old_seed, _, before = fail_a_corrupted_sync(engine, kind, models, reference, tmp_path)
     health = engine.client.health()
     assert health["state"] == "drained" and health["version"] == before and health["verified"]
     with pytest.raises(EngineRequestError) as refused:
         engine.client.completions(PROMPTS, max_tokens=8, temperature=0)
     assert refused.value.status == 503
-    kinds = [e["kind"] for e in read_events(run)]
-    assert kinds == ["sync_verify_mismatch", "sync_verify_mismatch", "sync_verify_failed"]
 
     # The rollback restored the last verified weights: serving them again is allowed and exact.
     engine.client.resume(before, timeout_s=10)

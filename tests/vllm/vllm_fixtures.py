@@ -10,11 +10,21 @@ VLLM_PYTHON = Path(os.environ.get("RLSLURM_VLLM_PYTHON", REPO / ".venv-vllm" / "
 
 
 def start_vllm(model_dir: Path, log_dir: Path, vllm_python: Path, *extra: str):
-    """A vLLM engine server process on a free loopback port (its log: log_dir/engine.log)."""
+    """rlslurm's engine server around vLLM's offline LLM (rollout/vllm_engine.py) on a free loopback port (its
+    log: log_dir/engine.log); `start_vllm_serve` below is vLLM's own server, what rollout.engine vllm runs."""
     from rlslurm.rollout.client import spawn_engine
     from rlslurm.sync.broadcast import free_port
 
-    return spawn_engine(model_dir, port=free_port(), log_path=log_dir / "engine.log", engine="vllm",
+    return spawn_engine(model_dir, port=free_port(), log_path=log_dir / "engine.log", engine="vllm-offline",
                         python=str(vllm_python), extra_args=["--name", "policy", *extra],
                         env={"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"},
                         ready_timeout_s=240.0)
+
+
+def start_vllm_serve(model_dir: Path, log_dir: Path, vllm_python: Path, *, tp: int = 1, **kwargs):
+    """vLLM's own OpenAI server (rollout.engine: vllm) on a free loopback port, its log log_dir/engine.log."""
+    from rlslurm.rollout.vllm_serve import spawn_vllm_serve
+    from rlslurm.sync.broadcast import free_port
+
+    return spawn_vllm_serve(model_dir, port=free_port(), log_path=log_dir / "engine.log", python=str(vllm_python),
+                            tp=tp, **kwargs)

@@ -1,0 +1,195 @@
+"""`rollout.engine: vllm`: vLLM's own OpenAI server (`python -m vllm.entrypoints.openai.api_server`, what
+`vllm serve` runs) in the rollout venv, with its RL routes on and rlslurm's trust boundary in front.
+
+    proc = spawn_vllm_serve(model_dir, port=p, log_path=run.logs / "engine-0.log", secret_file=run.secret,
+                            python=".venv-vllm/bin/python", tp=2)
+    proc.client.completions(["2 + 3 ="], n=4, max_tokens=8)     # rollout/vllm_client.py VLLMServeClient
+
+What the server is started with, and why:
+- VLLM_SERVER_DEV_MODE=1: the RL routes (/pause, /resume, /init_weight_transfer_engine, /start_weight_update,
+  /update_weights, /finish_weight_update, /weight_info, /weight_checker) and /collective_rpc.
+- `--middleware rlslurm.rollout.vllm_serve.SecretGate`: vLLM's `--api-key` guards only /v1; those routes
+  would be open to anyone who reaches the port (/collective_rpc calls any worker method by name). The gate is
+  rlslurm/wire.py's Protect (every path but /health needs the job's secret, compared in constant time; the
+  body is bounded and buffered before vLLM parses it) plus the job's generation bounds on /v1 bodies (n,
+  max_tokens: vLLM has no flag for either; prompt length is vLLM's own --max-model-len). The secret file's
+  path comes in RLSLURM_SECRET_FILE, never the token (argv and env are visible to `ps`).
+- `--weight-transfer-config {"backend": "rlslurm"}` (rollout/vllm_transfer.py, registered through vLLM's
+  plugin entry point) and `--worker-extension-cls` rollout/vllm_transfer.py WorkerChecks: VERIFY reads what
+  every worker serves (rlslurm/rollout/vllm_client.py says why that and not /weight_checker alone).
+- `--tensor-parallel-size rollout.tp`; on CPU, TP > 1 needs each worker's OpenMP threads bound to cores of
+  its own (VLLM_CPU_OMP_THREADS_BIND="0|1") and a small --gpu-memory-utilization (on CPU: the share of host
+  memory it reserves), or vLLM refuses to start (shared/notes/vllm-rl-api.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from rlslurm import secret, wire
+from rlslurm.rollout.client import EngineProcess, EngineRequestError
+
+GATE = "rlslurm.rollout.vllm_serve.SecretGate"
+WORKER_EXTENSION = "rlslurm.rollout.vllm_transfer.WorkerChecks"
+DATA_PATHS = ("/v1/completions", "/v1/models")
+LIMITS_ENV = "RLSLURM_VLLM_LIMITS"
+"""JSON {"max_n", "max_tokens", "max_body_bytes", "open_data"}: the gate's bounds, set by the launcher."""
+ADMIN_BODY_BYTES = 64 << 20  # an update's manifest of many tensors
+
+
+class SecretGate(wire.Protect):
+    """ASGI middleware vLLM adds with `--middleware` (it passes only the app): the job's secret on every
+    route but /health, bounded bodies, and n / max_tokens bounds on /v1 requests (a 400 naming the bound)."""
+
+    def __init__(self, app):
+        limits = json.loads(os.environ.get(LIMITS_ENV) or "{}")
+        self.max_n = int(limits.get("max_n", 64))
+        self.max_tokens = int(limits.get("max_tokens", 4096))
+        body = int(limits.get("max_body_bytes", 16 << 20))
+        super().__init__(app, token=secret.from_env_or(None), open_paths=("/health",), data_paths=DATA_PATHS,
+                         open_data=bool(limits.get("open_data", False)),
+                         max_body_bytes=lambda path: body if path.startswith("/v1/") else ADMIN_BODY_BYTES)
+
+    async def __call__(self, scope, receive, send):
+        # Default deny reaches WebSockets too (vLLM serves some, e.g. realtime audio): Protect passes every
+        # scope that is not HTTP through, which suits rlslurm's own servers (they have none) but not vLLM's.
+        if scope["type"] == "websocket":
+            presented = dict(scope["headers"]).get(b"authorization")
+            if not secret.matches(presented.decode("latin-1") if presented else None, self.token):
+                return await send({"type": "websocket.close", "code": 1008})
+        return await super().__call__(scope, receive, send)
+
+    def check_body(self, path: str, body: bytes) -> str | None:
+        if not path.startswith("/v1/") or not body:
+            return None
+        try:
+            request = json.loads(body)
+        except ValueError:
+            return None  # vLLM's own validation answers a malformed body
+        if not isinstance(request, dict):
+            return None
+        n, max_tokens = request.get("n", 1), request.get("max_tokens")
+        if isinstance(n, int) and n > self.max_n:
+            return f"n = {n} is over this engine's limit of {self.max_n} (rollout.max_n)"
+        if isinstance(max_tokens, int) and max_tokens > self.max_tokens:
+            return (f"max_tokens = {max_tokens} is over this engine's limit of {self.max_tokens} "
+                    "(rollout.max_new_tokens)")
+        return None
+
+
+def serve_command(model_dir: str | Path, *, python: str, host: str, port: int, tp: int = 1, name: str = "policy",
+                  dtype: str = "float32", max_model_len: int | None = None,
+                  gpu_memory_utilization: float | None = None, extra_args: list[str] | None = None) -> list[str]:
+    """argv of one vLLM OpenAI server: the server module `vllm serve` runs, so the venv's interpreter is explicit.
+    Not `vllm.entrypoints.cli.main serve`: on vllm-cpu it stops at start (importlib.metadata finds no
+    distribution named vllm: this one is vllm-cpu), and the module's own deprecation notice is only a warning."""
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--served-model-name", name, "--host", host, "--port", str(port), "--dtype", dtype,
+           "--tensor-parallel-size", str(tp), "--middleware", GATE, "--worker-extension-cls", WORKER_EXTENSION,
+           "--weight-transfer-config", json.dumps({"backend": "rlslurm"}), "--disable-uvicorn-access-log",
+           # Eager: a compiled graph may bake the packed-weight handle in, and an update re-packs a new one.
+           "--enforce-eager"]
+    if max_model_len:
+        cmd += ["--max-model-len", str(max_model_len)]
+    if gpu_memory_utilization:
+        cmd += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
+    return cmd + list(extra_args or [])
+
+
+def serve_env(*, secret_file: Path, tp: int, cpu: bool, limits: dict, kv_cache_gb: int = 1) -> dict[str, str]:
+    env = {"VLLM_SERVER_DEV_MODE": "1", secret.ENV_VAR: str(secret_file), LIMITS_ENV: json.dumps(limits),
+           "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
+    if cpu:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gb)
+        if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            cores = sorted(os.sched_getaffinity(0))
+            per = max(1, len(cores) // tp)
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+                ",".join(map(str, cores[k * per:(k + 1) * per])) if per > 1 else str(cores[k * per])
+                for k in range(tp))
+    return env
+
+
+def spawn_vllm_serve(model_dir: str | Path, *, port: int, log_path: str | Path, python: str,
+                     host: str = "127.0.0.1", secret_file: str | Path | None = None, tp: int = 1,
+                     name: str = "policy", limits: dict | None = None, cpu: bool = True,
+                     ready_timeout_s: float = 300.0, timeout_s: float = 120.0,
+                     gpu_memory_utilization: float | None = None, max_model_len: int | None = None,
+                     extra_args: list[str] | None = None, env: dict[str, str] | None = None) -> EngineProcess:
+    """Start vLLM's OpenAI server and wait until /health answers; the EngineProcess's client is a
+    VLLMServeClient. `cpu`: the CPU backend's settings (KV cache space, thread binding per TP rank)."""
+    from rlslurm.rollout.vllm_client import VLLMServeClient
+
+    log_path = Path(log_path)
+    secret_file = secret.ensure(secret_file or log_path.with_name(log_path.name + ".secret"))
+    if cpu and tp > 1 and gpu_memory_utilization is None:
+        gpu_memory_utilization = 0.1  # on CPU: the share of host memory it reserves; its default refuses
+    cmd = serve_command(model_dir, python=python, host=host, port=port, tp=tp, name=name,
+                        gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+                        extra_args=extra_args)
+    full_env = {**os.environ, **serve_env(secret_file=secret_file, tp=tp, cpu=cpu, limits=limits or {}), **(env or {})}
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env)
+    client = VLLMServeClient(f"http://{host}:{port}", timeout_s, token=secret.read(secret_file), tp=tp)
+    try:
+        client.wait_ready(ready_timeout_s, alive=lambda: proc.poll() is None, poll_s=0.5)
+    except EngineRequestError as e:
+        proc.kill()
+        tail = log_path.read_text(errors="replace")[-3000:]
+        raise EngineRequestError(f"{e}\n--- tail of {log_path} ---\n{tail}", url=e.url, call=e.call) from None
+    return EngineProcess(proc, client, log_path)
+
+
+def limits_of(server_args: list[str]) -> dict:
+    """The gate's bounds from rollout/server.py's flags (rollout.server_args: one source of the job's limits)."""
+    import argparse
+
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--max-n", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=4096)
+    p.add_argument("--max-body-mb", type=float, default=16.0)
+    p.add_argument("--open-data-plane", action="store_true")
+    known, _ = p.parse_known_args(server_args)  # the rest (prompts per request, rows, ...) vLLM bounds itself
+    return {"max_n": known.max_n, "max_tokens": known.max_tokens, "max_body_bytes": int(known.max_body_mb * 2**20),
+            "open_data": known.open_data_plane}
+
+
+def _on_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _gpu_share() -> float | None:
+    # rollout.gpu_memory_utilization, handed to every engine in the environment (rlslurm/rl/engines.py).
+    share = float(os.environ.get("RLSLURM_GPU_MEMORY_UTILIZATION", 0) or 0)
+    return share or None
+
+
+def spawn_for_server_args(model_dir: str | Path, *, server_args: list[str], env: dict[str, str] | None, tp: int,
+                          **kwargs) -> EngineProcess:
+    """`spawn_vllm_serve` for rlslurm/rollout/client.py's spawn_engine: the job's limits from its server flags."""
+    cpu = not _on_gpu()
+    share = None if cpu else (env or {}).get("RLSLURM_GPU_MEMORY_UTILIZATION") or _gpu_share()
+    return spawn_vllm_serve(model_dir, limits=limits_of(server_args), env=env, tp=tp, cpu=cpu,
+                            gpu_memory_utilization=float(share) if share else None, **kwargs)
+
+
+def exec_serve(model_dir: Path, *, python: str, host: str, port: int, secret_file: Path, tp: int,
+               server_args: list[str]) -> None:
+    """Become vLLM's server (the rollout het component's task, rlslurm/rl/roles.py run_engine): SLURM's
+    signals then reach it directly."""
+    cpu = not _on_gpu()
+    cmd = serve_command(model_dir, python=python, host=host, port=port, tp=tp,
+                        gpu_memory_utilization=0.1 if cpu and tp > 1 else (None if cpu else _gpu_share()))
+    env = {**os.environ, **serve_env(secret_file=Path(secret_file), tp=tp, cpu=cpu, limits=limits_of(server_args))}
+    os.execve(python, cmd, env)
+
+
+if __name__ == "__main__":  # pragma: no cover - a manual start: python -m rlslurm.rollout.vllm_serve DIR PORT
+    print(" ".join(serve_command(sys.argv[1], python=sys.executable, host="127.0.0.1", port=int(sys.argv[2]))))
