@@ -4,11 +4,13 @@ type, or a size past its bound is refused (400) before a route runs.
 Bounds here are structural (how long a name, how many dims, how many tensors); the limits a job sets
 on generation (n, max_tokens, prompt length, ...) are checked by `batcher.Limits`, which names them.
 Nothing here is unpickled or evaluated: IPC handles are plain fields (rlslurm/sync/ipc.py rebuilds a
-CUDA handle from them with torch's rebuild function, called by us).
+CUDA handle from them with torch's rebuild function, called by us). `completion_body` is the one body it
+answers with beyond plain dicts: the OpenAI completions shape, with the policy version of every choice.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -144,3 +146,29 @@ class Verify(Strict):
 class Resume(Strict):
     version: int = Field(ge=0, le=2**62)
     unverified_ok: bool = False
+
+
+def completion_body(req: CompletionRequest, model: str, results: list) -> dict:
+    """The OpenAI completions body of one request's results (a list per prompt of the engine's
+    Completions), with the policy version that made them, per choice and for the whole answer."""
+    choices: list[dict] = []
+    versions = set()
+    prompt_tokens = completion_tokens = 0
+    for per_prompt in results:
+        prompt_tokens += len(per_prompt[0].prompt_token_ids)
+        for c in per_prompt:
+            versions.add(c.version)
+            completion_tokens += len(c.token_ids)
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = {"tokens": [str(t) for t in c.token_ids], "token_logprobs": c.logprobs,
+                            "top_logprobs": None, "text_offset": None}
+            choices.append({"index": len(choices), "text": c.text, "finish_reason": c.finish_reason,
+                            "logprobs": logprobs, "token_ids": c.token_ids, "token_logprobs": c.logprobs,
+                            "policy_version": c.version})
+    (version,) = versions  # one batch, one version: the batcher never mixes them
+    body = {"id": f"cmpl-{time.time_ns():x}", "object": "text_completion", "created": int(time.time()),
+            "model": req.model or model, "choices": choices, "policy_version": version,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}}
+    return body

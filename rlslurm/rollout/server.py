@@ -228,7 +228,8 @@ def build_app(server: EngineServer, token: str, *, open_data: bool = False,
             return _error(400, str(e))
         if results is None:
             return _error(499, "client disconnected; its work was dropped")
-        return _openai_response(req, engine.model_name, results)
+        body = schema.completion_body(req, engine.model_name, results)
+        return JSONResponse(body, headers={"X-Policy-Version": str(body["policy_version"])})
 
     @app.get("/admin/version")
     def version():
@@ -324,30 +325,6 @@ async def _answer(batcher: Batcher, job: Job, request: Request) -> list | None:
 def _error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
     kind = "invalid_request_error" if status < 500 else "engine_unavailable"
     return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status, headers=headers)
-
-
-def _openai_response(req: schema.CompletionRequest, model: str, results: list) -> JSONResponse:
-    choices: list[dict[str, Any]] = []
-    versions = set()
-    prompt_tokens = completion_tokens = 0
-    for per_prompt in results:
-        prompt_tokens += len(per_prompt[0].prompt_token_ids)
-        for c in per_prompt:
-            versions.add(c.version)
-            completion_tokens += len(c.token_ids)
-            logprobs = None
-            if req.logprobs is not None:
-                logprobs = {"tokens": [str(t) for t in c.token_ids], "token_logprobs": c.logprobs,
-                            "top_logprobs": None, "text_offset": None}
-            choices.append({"index": len(choices), "text": c.text, "finish_reason": c.finish_reason,
-                            "logprobs": logprobs, "token_ids": c.token_ids, "token_logprobs": c.logprobs,
-                            "policy_version": c.version})
-    (version,) = versions  # one batch, one version: the batcher never mixes them
-    body = {"id": f"cmpl-{time.time_ns():x}", "object": "text_completion", "created": int(time.time()),
-            "model": req.model or model, "choices": choices, "policy_version": version,
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens}}
-    return JSONResponse(body, headers={"X-Policy-Version": str(version)})
 
 
 async def _beats(guard) -> None:
