@@ -110,7 +110,9 @@ def _return_to_service(node: str) -> None:
     wait_for(f"{node} idle", lambda: commands.show_node(node)[0]["State"].startswith("IDLE"), 60, poll_s=1)
 
 
-@pytest.mark.parametrize("role", ["train", "rollout"])
+# A rollout node lost is test_a_node_cut_off_mid_step_... above (SLURM requeues every component itself: measured
+# with "rollout" here too, 15.9 s); only the train node's loss splits the job, so CI sets that one DOWN.
+@pytest.mark.parametrize("role", ["train"])
 def test_a_node_set_down_requeues_every_component_together_and_the_job_resumes(slurm_cluster, tmp_path, role):
     """The node of one het component set DOWN mid-run (what slurmctld does to a node whose slurmd stops
     answering, without its timeout) and drained (so this cluster's ReturnToService=2 does not hand it back at
