@@ -180,16 +180,5 @@ def spawn_for_server_args(model_dir: str | Path, *, server_args: list[str], env:
                             gpu_memory_utilization=float(share) if share else None, **kwargs)
 
 
-def exec_serve(model_dir: Path, *, python: str, host: str, port: int, secret_file: Path, tp: int,
-               server_args: list[str]) -> None:
-    """Become vLLM's server (the rollout het component's task, rlslurm/rl/roles.py run_engine): SLURM's
-    signals then reach it directly."""
-    cpu = not _on_gpu()
-    cmd = serve_command(model_dir, python=python, host=host, port=port, tp=tp,
-                        gpu_memory_utilization=0.1 if cpu and tp > 1 else (None if cpu else _gpu_share()))
-    env = {**os.environ, **serve_env(secret_file=Path(secret_file), tp=tp, cpu=cpu, limits=limits_of(server_args))}
-    os.execve(python, cmd, env)
-
-
 if __name__ == "__main__":  # pragma: no cover - a manual start: python -m rlslurm.rollout.vllm_serve DIR PORT
     print(" ".join(serve_command(sys.argv[1], python=sys.executable, host="127.0.0.1", port=int(sys.argv[2]))))
