@@ -133,8 +133,16 @@ def name_lost_nodes(run: RunDir, restart_count: int,
               if p.get("restart_count") == restart_count - 1 and p.get("node")}
     # rlslurm/slurm/rejoin.py names the nodes it kept the job off before this start: not twice
     said = {e.get("node") for e in events.read_events(run, events.NODE_LOST) if e.get("restart_count") == restart_count}
+    lost = lost_nodes(before - said, restart_count, show_node)
+    for record in lost:
+        events.emit(run, events.NODE_LOST, **record)
+    return lost
+
+
+def lost_nodes(nodes, restart_count: int, show_node: Callable[[str], list[dict]]) -> list[dict]:
+    """Which of `nodes` SLURM holds DOWN, not responding or drained: {node, state, reason, restart_count}."""
     lost = []
-    for node in sorted(before - said):
+    for node in sorted(nodes):
         try:
             record = (show_node(node) or [{}])[0]
         except SlurmCommandError as e:  # a node SLURM no longer knows is lost too; say why
@@ -143,7 +151,6 @@ def name_lost_nodes(run: RunDir, restart_count: int,
         if any(s in state for s in _LOST_STATES):
             lost.append({"node": node, "state": state, "reason": record.get("Reason") or "none given",
                          "restart_count": restart_count})
-            events.emit(run, events.NODE_LOST, **lost[-1])
     return lost
 
 

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from rlslurm import events
+from rlslurm import events, lifecycle
 from rlslurm.errors import SlurmCommandError
 from rlslurm.rundir import RunDir, read_jsonl
 from rlslurm.slurm import commands
@@ -36,8 +36,6 @@ EXCLUDED = "excluded_nodes.json"
 """<run>/excluded_nodes.json: the nodes a lost-node requeue asked SLURM to avoid (node, state, reason, when)."""
 ENDED_BY_SLURM = ("FAILED", "NODE_FAIL", "COMPLETED", "BOOT_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "DEADLINE")
 """Final states of a component that SLURM (not the user: CANCELLED is left alone) ended beside a requeued one."""
-LOST_STATES = ("DOWN", "NOT_RESPONDING", "FAIL", "DRAIN", "NO_RESPOND")
-"""Node states (scontrol show node) of a node the job must not be placed on again."""
 
 
 def split(states: Sequence[dict[str, str]]) -> bool:
@@ -81,16 +79,8 @@ def lost_nodes(run: RunDir, show_node=commands.show_node) -> list[dict]:
     """Nodes of the last attempt (placement.jsonl) that SLURM now holds DOWN, not responding or drained."""
     rows = read_jsonl(run.path / "placement.jsonl")
     last = max((r.get("restart_count", 0) for r in rows), default=0)
-    lost = []
-    for node in sorted({r["node"] for r in rows if r.get("restart_count", 0) == last and r.get("node")}):
-        try:
-            record = (show_node(node) or [{}])[0]
-        except SlurmCommandError as e:
-            record = {"State": "UNKNOWN", "Reason": str(e)}
-        if any(s in record.get("State", "") for s in LOST_STATES):
-            lost.append({"node": node, "state": record["State"], "reason": record.get("Reason") or "none given",
-                         "restart_count": last + 1})
-    return lost
+    nodes = {r["node"] for r in rows if r.get("restart_count", 0) == last and r.get("node")}
+    return lifecycle.lost_nodes(nodes, last + 1, show_node)
 
 
 def rejoin(leader: str, run: RunDir, fired_by: str | None = None) -> str | None:
