@@ -52,7 +52,7 @@ class Facts:
 @dataclass
 class Cause:
     kind: str
-    """oom, disk_full, checkpoint_failed, rank_crash, desync, hang, sync_failure, engine_crash, engine_hang,
+    """oom, oom_kill, disk_full, checkpoint_failed, rank_crash, desync, hang, sync_failure, engine_crash, engine_hang,
     reward_down, node_failure, time_limit, preempted, env_mismatch, exception, heartbeat_unwritable, agent_died,
     checkpoint_damaged, running, finished, unknown."""
     headline: str
@@ -114,6 +114,11 @@ def classify(facts: Facts) -> list[Cause]:
         msgs = facts.env_errors + [line.removeprefix("error: ") for e in refused
                                    for line in str(e.get("report")).splitlines() if line.startswith("error:")]
         causes.append(Cause("env_mismatch", f"env mismatch: {msgs[0] if msgs else 'see env-diff.txt'}", msgs[1:]))
+    for e in [e for e in ev.select(now_events, ev.RANK_DIED) if e.get("oom_killed")][:1]:
+        # The node agent read the kernel's own count (diag/deaths.py): the rank left no word of its own.
+        causes.append(Cause("oom_kill", f"out of memory: the kernel's OOM killer killed {label(e)} (pid "
+                            f"{e.get('rank_pid')} on {e.get('host')}) in phase {e.get('phase')} step {e.get('step')} "
+                            f"({oom_evidence(e)})", _symptoms(facts, now_events, alive)))
     oom = _grep(facts.logs, _OOM)
     oom_failed = [e for e in ev.select(now_events, ev.PHASE_FAILED) if _OOM.search(str(e.get("error")))]
     if state == "OUT_OF_MEMORY" or oom_failed or (oom and not alive):
@@ -137,7 +142,7 @@ def classify(facts: Facts) -> list[Cause]:
                             f"{what} while checkpointing step {e.get('step')} ({e.get('role')}-{e.get('rank')}: "
                             f"{free} on {e.get('filesystem')}); {kept}", [str(e.get("error"))]))
     crashed = rank_crashes(facts, now_events, alive)
-    if crashed:
+    if crashed and not any(c.kind == "oom_kill" for c in causes):
         causes.append(crashed)
     for e in ev.select(now_events, ev.HANG_DETECTED)[-1:]:
         coll = e.get("collective")
@@ -310,20 +315,43 @@ def rank_crashes(facts: Facts, now_events: list[dict], alive: list[dict]) -> Cau
     in a collective or hang: the symptom, named after.
     When every rank died that way nothing outlived them to go on (`unknown`)."""
     train = [hb for hb in facts.heartbeats if hb.get("role") == "train"]
+    died = [e for e in ev.select(now_events, ev.RANK_DIED) if not e.get("oom_killed")]
+    if died and len(died) < len(train):  # the node agent saw it die (diag/deaths.py): named from any host
+        e = died[0]
+        return Cause("rank_crash", f"trainer rank crash: {label(e)} (pid {e.get('rank_pid')} on {e.get('host')}) "
+                     f"died in phase {e.get('phase')} step {e.get('step')} without a Python exception or a clean "
+                     f"exit (a signal: SIGKILL or a segfault; the OOM killer counted no kill)",
+                     _symptoms(facts, now_events, alive))
     dead = [hb for hb in train if hb.get("state") == "running" and hb.get("host") == facts.host
             and not facts.pid_alive(hb)]
     if dead and len(dead) < len(train):
         first = min(dead, key=lambda hb: float(hb.get("t") or hb.get("last_progress") or 0))
-        others = [f"{e.get('role')}-{e.get('rank')} then failed in phase {e.get('phase')}: {e.get('error')}"
-                  for e in ev.select(now_events, ev.PHASE_FAILED)]
-        others += [f"{label(hb)} then ended {hb.get('state')} at step {hb.get('step')}" for hb in facts.heartbeats
-                   if hb.get("state") in ("failed", "exited")]
-        others += [f"{label(hb)} still runs, in {hb.get('phase')}" for hb in alive]
+        others = _symptoms(facts, now_events, alive)
         return Cause("rank_crash", f"trainer rank crash: {label(first)} (pid {first.get('pid')} on "
                      f"{first.get('host')}) died in phase {first.get('phase')} step {first.get('step')} without a "
                      f"Python exception or a clean exit (a signal: SIGKILL, a segfault or the kernel's OOM killer)",
                      others)
     return None
+
+
+def oom_evidence(e: dict) -> str:
+    """The kernel's record of an OOM kill in a `rank_died` event, in words."""
+    def mib(n):
+        return f"{n / 2**20:,.0f} MiB" if isinstance(n, int) and n < 2**62 else "none"
+
+    if e.get("cgroup_oom_kills"):
+        return (f"memory cgroup {e.get('cgroup')}: oom_kill +{e['cgroup_oom_kills']}, limit "
+                f"{mib(e.get('memory_limit_bytes'))}, peak {mib(e.get('memory_peak_bytes'))}")
+    return f"the node's oom_kill count +{e.get('node_oom_kills')}; no memory cgroup counter to read"
+
+
+def _symptoms(facts: Facts, now_events: list[dict], alive: list[dict]) -> list[str]:
+    """What the other ranks did after one died: the symptoms, listed under the cause."""
+    others = [f"{e.get('role')}-{e.get('rank')} then failed in phase {e.get('phase')}: {e.get('error')}"
+              for e in ev.select(now_events, ev.PHASE_FAILED)]
+    others += [f"{label(hb)} then ended {hb.get('state')} at step {hb.get('step')}" for hb in facts.heartbeats
+               if hb.get("state") in ("failed", "exited")]
+    return others + [f"{label(hb)} still runs, in {hb.get('phase')}" for hb in alive]
 
 
 def damaged_checkpoints(events: list[dict]) -> list[Cause]:

@@ -25,6 +25,9 @@ whatever its stack shows: SIGSTOP may catch it inside the collective), then act 
   (diag/drain_gate.py), so the requeued start runs on.
 - fail: the same without drain and requeue.
 
+Deaths: a trainer rank whose process is gone while its heartbeat still says `running` (the OOM killer, a
+segfault, a SIGKILL) is a `rank_died` event with the kernel's OOM-kill evidence (diag/deaths.py).
+
 Stop: the agent must never outlive its job, and nothing else ends it where the rank that started it was
 SIGKILLed (it runs in its own session, out of the reach of SLURM's process tracking). Each poll it exits
 0, with a log line saying why, when
@@ -60,6 +63,7 @@ import psutil
 from rlslurm.diag import collectives, nvidia_smi
 from rlslurm.diag.collectives import Attribution, RankRecord, attribute, fetch
 from rlslurm.diag.config import DiagConfig
+from rlslurm.diag.deaths import DeathWatch
 from rlslurm.diag.heartbeat import label, pid_alive, read_heartbeats, still_unwritable
 from rlslurm.diag.stack_dump import StackDump, collective_in, dump_stack, process_state, top_frame
 from rlslurm.events import HANG_ACTION, HANG_DETECTED, emit
@@ -149,6 +153,7 @@ class Watchdog:
         self._reported: set[tuple] = set()
         self._unjudged: set[str] = set()
         self.reports: list[HangReport] = []
+        self.deaths = DeathWatch(run)
 
     def stop(self) -> None:
         self._stop.set()
@@ -341,6 +346,7 @@ class Watchdog:
         result: dict[str, str] = {}
         for r in ranks:
             pid = int(r.hb["pid"])
+            self.deaths.spared.add(pid)
             try:
                 self.kill(pid, signal.SIGTERM)
                 self.kill(pid, signal.SIGCONT)  # a stopped process only acts on SIGTERM once continued
@@ -379,6 +385,8 @@ class Watchdog:
         started = self.clock()
         while not self._stop.is_set():
             watched = self.watched()
+            # Before the exits below: the rank that just died may be the last one, or the agent's parent.
+            self.deaths.look([r.hb for r in watched])
             seen = seen or bool(watched)
             if exit_when_idle and seen and not watched:
                 log.info("exiting: every watched process on %s has exited", self.host)
@@ -394,6 +402,8 @@ class Watchdog:
             if self.poll() is not None and self.config.hang_policy != "dump":
                 return ExitCode.HANG_DETECTED
             self.sleep(self.config.watch_interval_s)
+        # The local rank 0 that stops us often does so because a peer just died: one last look names it.
+        self.deaths.look([r.hb for r in self.watched()])
         log.info("exiting: asked to stop (SIGTERM/SIGINT)")
         return 0
 

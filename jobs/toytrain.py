@@ -61,9 +61,17 @@ SKIP_ENV = "RLSLURM_TEST_SKIP_COLLECTIVE"
 next collective meets theirs out of order and every rank hangs). First start only, like STALL_ENV."""
 FAIL_ENV = "RLSLURM_TEST_FAIL_AT_STEP"
 """Test hook: rank 0 raises RuntimeError in the train phase of this step, on every start (a failed job)."""
+GROW_ENV = "RLSLURM_TEST_GROW"
+"""Test hook: `RANK@STEP:MB`: that rank allocates (and touches) MB more memory in the train phase of STEP and
+keeps it, as a batch that blows host memory does; under a memory limit the kernel's OOM killer ends it.
+First start only, like STALL_ENV."""
 ECHO_ENV = "RLSLURM_TEST_ECHO_ENV"
 """Test hook: comma-separated variable names rank 0 prints as NAME=value at start, like a batch script's
 `env` or a chatty library: the secrets a diag bundle must redact from the logs."""
+
+
+_HELD: list[torch.Tensor] = []
+"""What GROW_ENV allocated, kept for the rest of the process."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +82,8 @@ class Faults:
     stall_mode: str = "sleep"
     skip_step: int | None = None
     fail_step: int | None = None
+    grow: tuple[int, int] | None = None
+    """(step, MB) of GROW_ENV for this rank."""
     echo: tuple[str, ...] = ()
 
     @classmethod
@@ -93,8 +103,15 @@ class Faults:
             if not who.isdigit() or not step.isdigit():
                 raise ValueError(f"{SKIP_ENV}={skip!r} must look like RANK@STEP")
             skip_step = int(step) if int(who) == rank else None
+        grow, spec = None, env.get(GROW_ENV, "")
+        if spec and restarts == 0:
+            who, _, rest = spec.partition("@")
+            step, _, mb = rest.partition(":")
+            if not (who.isdigit() and step.isdigit() and mb.isdigit()):
+                raise ValueError(f"{GROW_ENV}={spec!r} must look like RANK@STEP:MB")
+            grow = (int(step), int(mb)) if int(who) == rank else None
         fail = env.get(FAIL_ENV)
-        return cls(stall_step=stall_step, stall_mode=mode, skip_step=skip_step,
+        return cls(stall_step=stall_step, stall_mode=mode, skip_step=skip_step, grow=grow,
                    fail_step=int(fail) if fail and rank == 0 else None,
                    echo=tuple(n for n in env.get(ECHO_ENV, "").split(",") if n) if rank == 0 else ())
 
@@ -124,6 +141,14 @@ class Faults:
                     op="all_reduce", seq=seq)
         print(f"{SKIP_ENV}: skipping the loss all_reduce #{seq} of step {step}", flush=True)
         return True
+
+    def swell(self, run: RunDir, step: int) -> None:
+        if self.grow is None or step != self.grow[0]:
+            return
+        events.emit(run, events.FAULT_INJECTED, fault="grow", step=step, mode=f"{self.grow[1]} MB")
+        print(f"{GROW_ENV}: allocating {self.grow[1]} MB in the train phase of step {step}", flush=True)
+        # torch.ones writes every page: an untouched allocation would never be charged to the cgroup.
+        _HELD.append(torch.ones(self.grow[1] * 2**18, dtype=torch.float32))
 
     def fail(self, step: int) -> None:
         if step == self.fail_step:
@@ -301,6 +326,7 @@ def _train(run, cfg, topo, gate, guard, step_delay_s, time_limit_s, requeue) -> 
             faults.stall(run, step + 1)
         with guard.phase("train", step=step + 1):
             faults.fail(step + 1)
+            faults.swell(run, step + 1)
             loss = trainer.step(batch, beat=guard.beat,
                                 skip_reduce=lambda next_step=step + 1: faults.skips(run, next_step))
         step += 1

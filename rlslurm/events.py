@@ -157,6 +157,12 @@ NODE_AGENT_DIED = declare("node_agent_died", "the node agent (diag/watchdog.py) 
                           "go unwatched", by="diag/agent.py",
                           required=("node", "agent_pid", "returncode", "cause", "log", "restarted"),
                           optional=("signal", "log_tail"))
+RANK_DIED = declare("rank_died", "the node agent found a trainer rank's process gone while its heartbeat still said "
+                    "running (no exception, no exit of its own: the OOM killer, a segfault, a SIGKILL), with the "
+                    "kernel's OOM-kill counts of its memory cgroup and of its node since the agent last saw it",
+                    by="diag/deaths.py", required=("rank_pid", "phase", "step", "oom_killed"),
+                    optional=("cgroup", "cgroup_oom_kills", "node_oom_kills", "memory_limit_bytes",
+                              "memory_peak_bytes"))
 ENV_DIFF = declare("env_diff", "the controller's env-fingerprint check before the first sync found differences",
                    by="rlslurm/rl/controller.py", required=("report", "ok"))
 NODE_LOST = declare("node_lost", "a restart found a node of the previous attempt gone in SLURM (DOWN, not "

@@ -365,6 +365,49 @@ def rank_crash(root: Path) -> Made:
 
 
 @contextlib.contextmanager
+def memory_limited(limit_mib: int):
+    """A fresh memory cgroup limited to `limit_mib` MiB, swap included (root, a memory controller to write):
+    what SLURM's task/cgroup makes of a step's --mem. Yields a function that moves a pid into it."""
+    v1 = Path("/sys/fs/cgroup/memory")
+    group = (v1 if v1.is_dir() else Path("/sys/fs/cgroup")) / f"rlslurm-test-oom-{os.getpid()}"
+    try:
+        group.mkdir()
+        limit = limit_mib << 20
+        for name, value in (("memory.limit_in_bytes", limit), ("memory.memsw.limit_in_bytes", limit),
+                            ("memory.max", limit), ("memory.swap.max", 0)):
+            if (group / name).exists():
+                (group / name).write_text(str(value))
+    except OSError as e:
+        pytest.skip(f"an OOM kill is made in a memory cgroup of its own, and none can be made here: {e}")
+    try:
+        yield lambda pid: (group / "cgroup.procs").write_text(str(pid))
+    finally:
+        with contextlib.suppress(OSError):
+            group.rmdir()
+
+
+def oom_kill(root: Path) -> Made:
+    """Trainer rank 1 moved, past its second step, into a memory cgroup of 256 MiB; at step 12 it allocates
+    1 GiB (RLSLURM_TEST_GROW) and the kernel's OOM killer ends it without a word. The node agent sees it gone
+    and reads the cgroup's oom_kill count (diag/deaths.py); rank 0 fails in its next all_reduce."""
+    from rlslurm.jobs.toytrain import GROW_ENV
+
+    stack = contextlib.ExitStack()
+    move = stack.enter_context(memory_limited(256))
+    try:
+        sub = submit(toy_config(root / "rank_oom.yaml", steps=100_000, step_delay_s=0.2,
+                                diag={"watch_interval_s": 0.25}), root / "runs", env={GROW_ENV: "1@12:1024"})
+        beat = wait_until("rank 1's second step",
+                          lambda: ((b := _beat(sub.run_dir, "train-1")).get("step") or 0) >= 2 and b, sub)
+        move(int(beat["pid"]))
+        assert ended(sub) != "ok"
+    except BaseException:
+        stack.close()
+        raise
+    return Made(sub.run_dir, stops=[stack.close])
+
+
+@contextlib.contextmanager
 def small_disk(path: Path, size_kib: int):
     """A tmpfs of `size_kib` KiB mounted over the empty directory `path` (root only)."""
     assert not any(path.iterdir()), f"{path} is not empty: a tmpfs over it would hide what is there"
@@ -492,6 +535,6 @@ LOCAL = {"finished": finished, "exception": exception, "hang": hang, "desync": d
          "unknown": unknown,
          "oom": oom, "reward_down": reward_down, "sync_failure": sync_failure, "env_mismatch": env_mismatch,
          "engine_crash": engine_crash, "engine_hang": engine_hang, "heartbeat_unwritable": heartbeat_unwritable,
-         "agent_died": agent_died, "rank_crash": rank_crash, "disk_full": disk_full,
+         "agent_died": agent_died, "rank_crash": rank_crash, "oom_kill": oom_kill, "disk_full": disk_full,
          "checkpoint_damaged": checkpoint_damaged}
 """Cause (as `rlslurm diag` names it) -> the scenario that makes it happen here."""

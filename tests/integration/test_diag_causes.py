@@ -62,7 +62,8 @@ def test_engine_killed_mid_run(tmp_path):
     assert failed["exit_code"] == -9 and failed["log"].endswith("engine-0.log") and failed["node"]
     out = diag(made.run, tmp_path)
     assert re.search(rf"^cause: rollout engine crash: {re.escape(failed['url'])} \(node \S+, pid {failed['pid']}, "
-                     rf"exit code -9\): (POST|GET) /\S+ failed: ConnectError", out, re.MULTILINE), out
+                     rf"exit code -9\): (POST|GET) /\S+ failed: (ConnectError|ReadError|RemoteProtocolError)", out,
+                     re.MULTILINE), out
 
 
 def test_engine_stopped_mid_run(tmp_path):
@@ -106,3 +107,19 @@ def test_a_damaged_newest_checkpoint_is_skipped_and_said(tmp_path):
     assert re.search(r"^cause: damaged checkpoint skipped: step-00000006 \(sha256 mismatch in model.safetensors\), "
                      r"kept aside as step-00000006.corrupt-\d+; resumed from step-00000003 \(step 3\)$", out,
                      re.MULTILINE), out
+
+
+def test_a_rank_killed_by_the_oom_killer_is_named_so(tmp_path):
+    made = failures.oom_kill(tmp_path)
+    try:
+        (died,) = events.read_events(RunDir(made.run), events.RANK_DIED)
+        out = diag(made.run, tmp_path)
+    finally:
+        made.close()
+    assert died["rank"] == 1 and died["oom_killed"] is True and died["cgroup_oom_kills"] == 1, died
+    # Its phase and step as its last heartbeat write had them (the flusher lags a few steps under load).
+    assert died["memory_limit_bytes"] == 256 << 20 and 2 <= died["step"] <= 12, died
+    assert re.search(rf"^cause: out of memory: the kernel's OOM killer killed train-1 \(pid {died['rank_pid']} on "
+                     rf"\S+\) in phase {died['phase']} step {died['step']} \(memory cgroup \S+rlslurm-test-oom-\d+: "
+                     rf"oom_kill \+1, limit 256 MiB, peak \d+ MiB\)$", out, re.MULTILINE), out
+    assert "train-0 then ended failed" in out  # the peer's gloo error: the symptom, after the cause

@@ -35,6 +35,7 @@ CAUSES = {
     "heartbeat_unwritable": "heartbeat cannot be written: train-0",
     "agent_died": "node agent died: pid",
     "rank_crash": "trainer rank crash: train-1 (pid",
+    "oom_kill": "out of memory: the kernel's OOM killer killed train-1 (pid",
     "disk_full": "no space left on device while checkpointing step 6 (train-0: 0 bytes free on",
     "checkpoint_damaged": "damaged checkpoint skipped: step-00000006 (sha256 mismatch in model.safetensors)",
 }

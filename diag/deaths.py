@@ -1,0 +1,167 @@
+"""Trainer ranks that died without a word, noticed by the node agent and named with the kernel's evidence.
+
+A rank killed by the kernel's OOM killer, a segfault or a SIGKILL writes nothing: its heartbeat still says
+`running` and its peers fail later in a collective. The node agent (diag/watchdog.py) sees every rank of its
+node each poll; one whose process is gone while its heartbeat still says `running` gets a `rank_died` event
+with what the kernel kept about it, read from outside the dead process:
+
+- its memory cgroup (as SLURM's task/cgroup confines a step: /proc/<pid>/cgroup, read while it lived) and
+  that cgroup's `oom_kill` counter (cgroup v1 memory.oom_control, v2 memory.events) before and after: a
+  counter that grew is the OOM killer's own record that it killed a process there;
+- the node's `oom_kill` counter in /proc/vmstat, the same for OOM kills outside any limited cgroup.
+
+Why counters, not the exit status or the kernel log: the agent is not the rank's parent (no wait status),
+and the kernel log (dmesg) needs privileges users do not have on a cluster; the counters are readable by
+the job's own user. On a cluster whose SLURM has task/cgroup, slurmstepd also writes "Detected N oom_kill
+events" into the step's log, which diag/summary.py reads as well.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from rlslurm.diag.heartbeat import label, pid_alive, read_heartbeats
+from rlslurm.events import RANK_DIED, emit
+from rlslurm.rundir import RunDir
+
+log = logging.getLogger("rlslurm.diag.deaths")
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+PROC = Path("/proc")
+
+
+def memory_cgroup(proc_cgroup: str) -> tuple[int, str] | None:
+    """(cgroup version, path) of the memory controller from the text of /proc/<pid>/cgroup.
+
+    v1 lines read `N:controllers:/path` (memory among the controllers); the v2 line reads `0::/path`, used
+    when no v1 hierarchy has the memory controller."""
+    v2 = None
+    for line in proc_cgroup.splitlines():
+        num, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if "memory" in controllers.split(","):
+            return 1, path
+        if num == "0" and controllers == "":
+            v2 = (2, path)
+    return v2
+
+
+def memory_dir(version: int, path: str, root: Path = CGROUP_ROOT) -> Path:
+    """The directory of a memory cgroup: v1 under root/memory, v2 under root (root/unified on a hybrid host)."""
+    rel = path.lstrip("/")
+    if version == 1:
+        return root / "memory" / rel
+    return (root / rel) if (root / "cgroup.controllers").exists() else (root / "unified" / rel)
+
+
+def keyed(text: str) -> dict[str, int]:
+    """A flat keyed file (`key value` per line: memory.oom_control, memory.events, /proc/vmstat) as ints."""
+    out = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if value.strip().lstrip("-").isdigit():
+            out[key] = int(value)
+    return out
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
+
+
+def oom_kills(cgroup: Path) -> int | None:
+    """The OOM killer's count of kills in this memory cgroup (None: not readable, or a kernel too old to say)."""
+    for name in ("memory.events", "memory.oom_control"):  # v2, v1
+        text = _read(cgroup / name)
+        if text is not None and "oom_kill" in keyed(text):
+            return keyed(text)["oom_kill"]
+    return None
+
+
+def _bytes(cgroup: Path, *names: str) -> int | None:
+    """The first of `names` in the cgroup that holds a number of bytes (v2's "max" means no limit)."""
+    for name in names:
+        text = _read(cgroup / name)
+        if text is not None and text.strip().isdigit():
+            return int(text)
+    return None
+
+
+@dataclass
+class Seen:
+    """What the agent last saw of a live rank: its heartbeat and its memory cgroup's counter then."""
+
+    hb: dict
+    cgroup: Path | None
+    oom_kills: int | None
+    node_oom_kills: int | None
+
+
+class DeathWatch:
+    """The node agent's eye for trainer ranks that died without a word (see the module docstring)."""
+
+    def __init__(self, run: RunDir, *, proc: Path = PROC, cgroup_root: Path = CGROUP_ROOT,
+                 alive: Callable[[dict], bool] = pid_alive):
+        self.run, self.proc, self.cgroup_root, self.alive = run, proc, cgroup_root, alive
+        self.seen: dict[int, Seen] = {}
+        self.spared: set[int] = set()
+        """Pids the agent ended itself (a hang's kill): their end is the `hang_action` event's."""
+
+    def node_oom_kills(self) -> int | None:
+        text = _read(self.proc / "vmstat")
+        return None if text is None else keyed(text).get("oom_kill")
+
+    def _cgroup(self, pid: int) -> Path | None:
+        text = _read(self.proc / str(pid) / "cgroup")
+        found = memory_cgroup(text) if text else None
+        return memory_dir(*found, root=self.cgroup_root) if found else None
+
+    def look(self, watched: list[dict]) -> list[dict]:
+        """One look: note every live trainer rank of `watched` (their heartbeats), and emit `rank_died` for
+        each rank seen alive before that is gone now while its heartbeat still says `running`."""
+        node_count = self.node_oom_kills()
+        live = set()
+        for hb in watched:
+            if hb.get("role") != "train" or not hb.get("pid"):
+                continue
+            pid = int(hb["pid"])
+            live.add(pid)
+            # Read every poll: a cgroup is where the process is now (SLURM may move a task after it started).
+            cgroup = self._cgroup(pid)
+            self.seen[pid] = Seen(hb, cgroup, oom_kills(cgroup) if cgroup else None, node_count)
+        died = []
+        for pid in [p for p in self.seen if p not in live]:
+            seen = self.seen.pop(pid)
+            latest = next((hb for hb in read_heartbeats(self.run) if hb.get("pid") == pid
+                           and hb.get("role") == seen.hb.get("role") and hb.get("rank") == seen.hb.get("rank")), None)
+            # Gone from the watched list for a reason of its own (it wrote `exited`/`failed` on its way out),
+            # or ended by the agent itself: not a death without a word.
+            if latest is None or latest.get("state") != "running" or self.alive(latest) or pid in self.spared:
+                continue
+            died.append(self._emit(latest, seen, node_count))
+        return died
+
+    def _emit(self, hb: dict, seen: Seen, node_count: int | None) -> dict:
+        after = oom_kills(seen.cgroup) if seen.cgroup else None
+        cgroup_kills = (after - seen.oom_kills) if after is not None and seen.oom_kills is not None else None
+        node_kills = (node_count - seen.node_oom_kills) if node_count is not None and \
+            seen.node_oom_kills is not None else None
+        fields = dict(rank_pid=int(hb["pid"]), phase=hb.get("phase"), step=hb.get("step"),
+                      cgroup=str(seen.cgroup) if seen.cgroup else None, cgroup_oom_kills=cgroup_kills,
+                      node_oom_kills=node_kills,
+                      # The cgroup's count is this rank's own evidence; the node's counts any process's kill,
+                      # so it decides only where no cgroup counter could be read.
+                      oom_killed=bool(cgroup_kills) if cgroup_kills is not None else bool(node_kills),
+                      memory_limit_bytes=_bytes(seen.cgroup, "memory.max", "memory.limit_in_bytes")
+                      if seen.cgroup else None,
+                      memory_peak_bytes=_bytes(seen.cgroup, "memory.peak", "memory.max_usage_in_bytes")
+                      if seen.cgroup else None)
+        log.error("%s (pid %s) died without a word in phase %s step %s; OOM killer: %s (cgroup %s: +%s kills, "
+                  "node: +%s)", label(hb), fields["rank_pid"], fields["phase"], fields["step"], fields["oom_killed"],
+                  fields["cgroup"], cgroup_kills, node_kills)
+        return emit(self.run, RANK_DIED, role=hb.get("role"), rank=hb.get("rank"), **fields)
