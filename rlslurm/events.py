@@ -215,7 +215,8 @@ SYNC_VERIFY_MISMATCH = declare("sync_verify_mismatch", "one VERIFY of a weight s
                                "(UPDATE is retried)", by="rlslurm/sync/protocol.py",
                                required=("version", "attempt", "mismatches"), optional=("step",))
 SYNC_VERIFY_FAILED = declare("sync_verify_failed", "a weight sync's VERIFY found tensors that differ from the "
-                             "trainer's after every retry: engines rolled back and left drained",
+                             "trainer's after every retry: engines left drained (the transformers engine rolled back "
+                             "to its snapshot; a vLLM engine keeps none and stays paused until a sync passes VERIFY)",
                              by="rlslurm/sync/protocol.py",
                              required=("version", "transport", "attempts", "engine", "mismatches", "rollback"),
                              optional=("step",))
