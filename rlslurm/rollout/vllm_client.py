@@ -21,7 +21,7 @@ for every re-packed linear weight (shared/notes/vllm-rl-api.md), and its baselin
 so the trainer could not supply it. Instead every worker checksums, in rlslurm/sync/checksum.py's scheme,
 each tensor as it is *served*: a linear layer's weight read back through the layer's own GEMM (the packed
 copy the forward pass uses), fused projections cut back into their Hugging Face parts, under HF names
-(rollout/vllm_engine.py WorkerWeights). The reference is the trainer's checksums of the tensors it sent,
+(rollout/vllm_verify.py WorkerChecks). The reference is the trainer's checksums of the tensors it sent,
 taken from its own memory, never from an engine. A half-applied update (some tensors or layers loaded,
 others not; parameters loaded but never re-packed) leaves some served tensor with the old bytes, and a
 stale engine serves all old bytes: either way that tensor's checksum differs from the trainer's, named.
@@ -74,6 +74,20 @@ class VLLMServeClient(EngineClient):
         return {"status": "ok", "state": "drained" if paused else "serving", "version": self.version(),
                 "verified": self.verified}
 
+    def metrics(self, timeout_s: float = 5.0) -> list[tuple[str, dict[str, str], float]]:
+        """vLLM's Prometheus /metrics, parsed (rollout/vllm_metrics.py)."""
+        from rlslurm.rollout.vllm_metrics import parse
+
+        try:
+            r = self._http.get("/metrics", timeout=timeout_s)
+        except httpx.HTTPError as e:
+            raise EngineRequestError(f"engine {self.url}: GET /metrics failed: {type(e).__name__}: {e}",
+                                     url=self.url, call="GET /metrics") from None
+        if r.status_code != 200:
+            raise EngineRequestError(f"engine {self.url}: GET /metrics -> HTTP {r.status_code}: {r.text[:300]}",
+                                     status=r.status_code, url=self.url, call="GET /metrics")
+        return parse(r.text)
+
     def wait_ready(self, timeout_s: float, **kwargs) -> dict:
         kwargs.setdefault("poll_s", 0.5)
         return super().wait_ready(timeout_s, **kwargs)
@@ -85,6 +99,10 @@ class VLLMServeClient(EngineClient):
         for _ in range(RETRIES):
             before = self.version()
             out = self._call("POST", "/v1/completions", timeout_s, json=body)
+            if any(c.get("finish_reason") == "abort" for c in out.get("choices", [])):
+                # vLLM answers 200 for requests its engine aborted (shutdown, abort_requests): truncated samples.
+                raise EngineRequestError(f"engine {self.url}: vLLM aborted the request (finish_reason abort)",
+                                         status=503, url=self.url, call="POST /v1/completions")
             if self.version() == before:
                 return _stamped(out, before)
         raise EngineRequestError(f"engine {self.url}: the weight version changed during each of {RETRIES} "

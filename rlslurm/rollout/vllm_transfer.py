@@ -1,11 +1,10 @@
 """rlslurm's weight-transfer engine for vLLM's own RL routes, run inside vLLM's workers.
 
-    vllm serve DIR --weight-transfer-config '{"backend": "rlslurm"}' \
-        --worker-extension-cls rlslurm.rollout.vllm_transfer.WorkerChecks     # (rollout/vllm_serve.py)
+    vllm serve DIR --weight-transfer-config '{"backend": "rlslurm"}'         # (rollout/vllm_serve.py)
     POST /init_weight_transfer_engine {"init_info": {"addr", "port", "rank_offset", "world_size", ...}}
     POST /start_weight_update; POST /update_weights {"update_info": {"kind": "broadcast" | "disk", ...}}
     POST /finish_weight_update {"weight_version": "12"}
-    POST /collective_rpc {"method": "rlslurm_checksums"}                      # VERIFY
+    POST /collective_rpc {"method": "rlslurm_checksums"}     # VERIFY (rollout/vllm_verify.py, same workers)
 
 Why an engine of our own: vLLM's built-in nccl and ipc engines use CUDA streams; on CPU there is none
 that runs. This one is registered through vLLM's plugin entry point (`vllm.general_plugins` in
@@ -28,6 +27,10 @@ from vllm.logger import init_logger
 
 log = init_logger("vllm.rlslurm.weight_transfer")  # under vLLM's logger: the engine's log shows it, from a worker
 
+DEBUG = {"skip_retie": False}
+"""Tests only (set through /collective_rpc rlslurm_debug, rollout/vllm_verify.py): `skip_retie` leaves a tied LM
+head's packed GEMM on the old weights after an update, the half-applied update VERIFY must catch."""
+
 BACKEND = "rlslurm"
 """The name the engine is registered under: `--weight-transfer-config '{"backend": "rlslurm"}'`."""
 
@@ -46,8 +49,6 @@ from vllm.distributed.weight_transfer.base import (  # noqa: E402
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
-
-from rlslurm.rollout.vllm_engine import WorkerWeights, _gemm_weight  # noqa: E402
 
 
 @dataclass
@@ -150,7 +151,8 @@ class RlslurmTransferEngine(WeightTransferEngine[RlslurmInitInfo, RlslurmUpdateI
 
         started = time.perf_counter()
         finalize_layerwise_reload(self.model, self.model_config)
-        _retie_lm_head(self.model, self.model_config.hf_config)
+        if not DEBUG["skip_retie"]:
+            _retie_lm_head(self.model, self.model_config.hf_config)
         t = {**self.seconds, "finish": time.perf_counter() - started}
         log.info("rlslurm weight transfer on TP rank %d: start %.3f s, receive %.3f s (load_weights %.3f s of it), "
                  "finish (layerwise reload, re-pack) %.3f s", self._tp_rank(), t.get("start", 0.0),
@@ -185,82 +187,3 @@ class RlslurmTransferEngine(WeightTransferEngine[RlslurmInitInfo, RlslurmUpdateI
 
     def shutdown(self) -> None:
         self.group = None
-
-
-# -- VERIFY inside the workers (--worker-extension-cls, called through /collective_rpc) ---------------------
-
-class WorkerChecks(WorkerWeights):
-    """rollout/vllm_engine.py's WorkerWeights (checksums of what a worker serves, packed linear weights read
-    back through their own GEMM, under Hugging Face names), at any tensor-parallel size: at TP > 1 each
-    served shard is gathered across the TP workers (vLLM's own TP group: weight bytes pass only between
-    vLLM's workers) into the Hugging Face tensor, whose checksum is then comparable with the trainer's. A
-    stale or corrupted shard on any one rank changes that tensor's checksum (on every rank)."""
-
-    @torch.no_grad()
-    def rlslurm_checksums(self) -> dict[str, str]:
-        from vllm.distributed import get_tensor_model_parallel_world_size
-
-        if get_tensor_model_parallel_world_size() == 1:
-            return super().rlslurm_checksums()
-        from rlslurm.sync.checksum import tensor_checksum
-
-        out = {}
-        for name, copies in _tp_served(self.model_runner.get_model()).items():
-            sums = sorted({tensor_checksum(t) for t in copies})
-            out[name] = sums[0] if len(sums) == 1 else "inconsistent copies: " + " | ".join(sums)
-        return out
-
-
-def _tp_served(model: torch.nn.Module) -> dict[str, list[torch.Tensor]]:
-    """Every served copy of every HF tensor, each gathered whole across the TP group (Llama-family layouts:
-    column-parallel rows, row-parallel columns, vocab-parallel rows, fused q/k/v and gate/up per rank)."""
-    from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_gather
-    from vllm.model_executor.layers.linear import LinearBase, QKVParallelLinear, RowParallelLinear
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-
-    def gather(t: torch.Tensor, dim: int) -> torch.Tensor:
-        return tensor_model_parallel_all_gather(t.contiguous(), dim)
-
-    tp = get_tensor_model_parallel_world_size()
-    canonical: dict[int, str] = {}
-    for name, p in model.named_parameters():
-        canonical.setdefault(id(p), name)
-    packed = getattr(model, "packed_modules_mapping", {}) or {}
-    lm_head = getattr(model, "lm_head", None)
-    out: dict[str, list[torch.Tensor]] = {}
-    for module in model.modules():
-        for attr, p in module.named_parameters(recurse=False):
-            full = canonical[id(p)]
-            prefix, leaf = full.rsplit(".", 1)
-            gemm = (attr == "weight" and hasattr(module, "cpu_linear")
-                    and (isinstance(module, LinearBase) or module is lm_head))
-            if isinstance(module, VocabParallelEmbedding):
-                # Rank r holds padded-vocab rows [r * n, (r + 1) * n); the checkpoint's are the first org_vocab_size.
-                head = isinstance(module, ParallelLMHead)
-                reads = [gemm and head] + [True] * (gemm and not head)  # a tied embedding: lookup + LM-head GEMM
-                for through_gemm in reads:
-                    local = _gemm_weight(module) if through_gemm else p.detach()
-                    out.setdefault(full, []).append(gather(local, 0)[: module.org_vocab_size])
-                continue
-            local = _gemm_weight(module) if gemm else p.detach()
-            parent, _, short = prefix.rpartition(".")
-            if short in packed and hasattr(module, "output_sizes") and attr in ("weight", "bias"):
-                if isinstance(module, QKVParallelLinear):
-                    if getattr(module, "num_kv_head_replicas", 1) != 1:
-                        raise NotImplementedError("VERIFY at TP > KV heads (replicated KV heads) is not covered")
-                    sizes = [module.num_heads * module.head_size] + [module.num_kv_heads * module.head_size] * 2
-                else:
-                    sizes = [size // tp for size in module.output_sizes]
-                start = 0
-                for sub, size in zip(packed[short], sizes):
-                    hf = f"{parent}.{sub}.{leaf}" if parent else f"{sub}.{leaf}"
-                    out.setdefault(hf, []).append(gather(local[start : start + size], 0))
-                    start += size
-                continue
-            if isinstance(module, RowParallelLinear):
-                out.setdefault(full, []).append(gather(local, 1) if attr == "weight" else local)
-            elif isinstance(module, LinearBase):  # column-parallel
-                out.setdefault(full, []).append(gather(local, 0))
-            else:  # norms: replicated
-                out.setdefault(full, []).append(local)
-    return out
