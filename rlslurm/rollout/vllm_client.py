@@ -5,7 +5,8 @@ rlslurm/sync/protocol.py and rl/controller.py call, on vLLM's routes.
               and policy_version: vLLM's weight version (GET /weight_info) that produced the response
     DRAIN     POST /pause?mode=wait        in-flight requests finish; new ones wait in vLLM until /resume
     UPDATE    POST /init_weight_transfer_engine (broadcast: join the trainer's group), /start_weight_update,
-              /update_weights {kind: broadcast | disk | ipc}, /finish_weight_update (rollout/vllm_transfer.py)
+              /update_weights {kind: broadcast | disk | ipc} (disk: once per shard, as the trainer finishes
+              it), /finish_weight_update (rollout/vllm_transfer.py)
     VERIFY    POST /collective_rpc rlslurm_checksums: every worker's checksums of what it serves
     RESUME    POST /update_weight_version {version}, POST /resume
 
@@ -128,6 +129,18 @@ class VLLMServeClient(EngineClient):
 
     def update_disk(self, path: str, timeout_s: float) -> dict:
         return self._update({"kind": "disk", "path": path}, timeout_s)
+
+    # A disk update shard by shard (rlslurm/sync/disk.py DiskTransport): the worker loads shard k while the
+    # trainer writes shard k + 1; vLLM's layerwise reload spans the update_weights calls between start and finish.
+    def begin_disk_update(self, timeout_s: float) -> None:
+        self.verified = False
+        self._post("/start_weight_update", timeout_s)
+
+    def update_disk_shard(self, path: str, files: list[str], timeout_s: float) -> None:
+        self._post("/update_weights", timeout_s, update_info={"kind": "disk", "path": path, "files": files})
+
+    def finish_disk_update(self, timeout_s: float) -> None:
+        self._post("/finish_weight_update", timeout_s)
 
     def broadcast_join(self, addr: str, port: int, rank: int, world_size: int, generation: int,
                        timeout_s: float) -> dict:

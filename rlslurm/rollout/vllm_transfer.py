@@ -66,11 +66,14 @@ class RlslurmInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class RlslurmUpdateInfo(WeightTransferUpdateInfo):
-    """One update: `broadcast` (manifest + bucket_bytes over the joined group), `disk` (a version dir) or
+    """One update: `broadcast` (manifest + bucket_bytes over the joined group), `disk` (a version dir, or some of
+    its shard files: the trainer sends each as soon as it is written) or
     `ipc` (shared-memory handles the worker maps, rlslurm/sync/ipc.py; one worker per FIFO: TP 1)."""
 
     kind: str
     manifest: list[dict] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)
+    """disk: the shards of the version at `path` to load now (empty: all of them)."""
     bucket_bytes: int = 0
     path: str = ""
     handles: list[dict] = field(default_factory=list)
@@ -85,16 +88,19 @@ class _ModelSink:
     adopts_weights = False
     model_name = "vllm-worker"
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, *, copy: bool = True):
         self.model = model
+        self.copy = copy
         self.load_s = 0.0  # in model.load_weights (and the copy before it), of this update
+        self.copy_s = 0.0  # of which the copy
 
     def load_weights(self, named) -> int:
         started = time.perf_counter()
         # Copies: vLLM's layerwise reload keeps a loaded tensor until its layer is complete, and the landing
         # receives the next buckets into the same scratch buffers (measured: gate_proj of bucket k came out
-        # as bucket k+4's bytes). A file's mapped tensors would survive, but one rule is simpler.
-        named = [(name, t.clone()) for name, t in named]
+        # as bucket k+4's bytes). A disk shard's tensors are read from its file, no reused buffer (copy=False).
+        named = [(name, t.clone() if self.copy else t) for name, t in named]
+        self.copy_s += time.perf_counter() - started
         self.model.load_weights(named)
         self.load_s += time.perf_counter() - started
         return sum(t.numel() * t.element_size() for _, t in named)
@@ -144,7 +150,7 @@ class RlslurmTransferEngine(WeightTransferEngine[RlslurmInitInfo, RlslurmUpdateI
 
         started = time.perf_counter()
         initialize_layerwise_reload(self.model)
-        self.seconds = {"start": time.perf_counter() - started, "receive": 0.0, "load": 0.0}
+        self.seconds = {"start": time.perf_counter() - started, "receive": 0.0, "load": 0.0, "copy": 0.0, "calls": 0}
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
@@ -154,16 +160,17 @@ class RlslurmTransferEngine(WeightTransferEngine[RlslurmInitInfo, RlslurmUpdateI
         if not DEBUG["skip_retie"]:
             _retie_lm_head(self.model, self.model_config.hf_config)
         t = {**self.seconds, "finish": time.perf_counter() - started}
-        log.info("rlslurm weight transfer on TP rank %d: start %.3f s, receive %.3f s (load_weights %.3f s of it), "
-                 "finish (layerwise reload, re-pack) %.3f s", self._tp_rank(), t.get("start", 0.0),
-                 t.get("receive", 0.0), t.get("load", 0.0), t["finish"])
+        log.info("rlslurm weight transfer on TP rank %d: start %.3f s, receive %.3f s in %d update(s) (load_weights "
+                 "%.3f s of it, its copy %.3f s), finish (layerwise reload, re-pack) %.3f s", self._tp_rank(),
+                 t.get("start", 0.0), t.get("receive", 0.0), t.get("calls", 0), t.get("load", 0.0), t.get("copy", 0.0),
+                 t["finish"])
 
     def receive_weights(self, update_info: RlslurmUpdateInfo) -> None:
         from rlslurm.sync import disk, ipc
         from rlslurm.sync.landing import Landing
 
         started = time.perf_counter()
-        sink = _ModelSink(self.model)
+        sink = _ModelSink(self.model, copy=update_info.kind != "disk")
         landing = Landing(sink, staged=False)
         if update_info.kind == "broadcast":
             if self.group is None:
@@ -174,7 +181,7 @@ class RlslurmTransferEngine(WeightTransferEngine[RlslurmInitInfo, RlslurmUpdateI
                 self.group = None  # broken by a peer's failure: the trainer rebuilds it
                 raise
         elif update_info.kind == "disk":
-            disk.receive(update_info.path, landing)
+            disk.receive(update_info.path, landing, files=update_info.files or None)
         elif update_info.kind == "ipc":
             ipc.receive(update_info.manifest, update_info.bucket_bytes, update_info.handles, landing,
                         ready=update_info.ready, timeout_s=update_info.timeout_s)
@@ -182,6 +189,8 @@ class RlslurmTransferEngine(WeightTransferEngine[RlslurmInitInfo, RlslurmUpdateI
             raise ValueError(f"update kind {update_info.kind!r}: rlslurm's engine takes broadcast, disk or ipc")
         self.seconds["receive"] = self.seconds.get("receive", 0.0) + time.perf_counter() - started
         self.seconds["load"] = self.seconds.get("load", 0.0) + sink.load_s
+        self.seconds["copy"] = self.seconds.get("copy", 0.0) + sink.copy_s
+        self.seconds["calls"] = self.seconds.get("calls", 0) + 1
         log.debug("rlslurm weight transfer: %s update of %d bytes landed on TP rank %d", update_info.kind,
                   landing.bytes, self._tp_rank())
 
