@@ -63,14 +63,7 @@ class VLLMServeClient(EngineClient):
     # -- serving -----------------------------------------------------------------------------------
     def health(self, timeout_s: float = 5.0) -> dict:
         """vLLM's /health (an empty 200), plus what the sync tests read: state, version, verified."""
-        try:
-            r = self._http.get("/health", timeout=timeout_s)
-        except httpx.HTTPError as e:
-            raise EngineRequestError(f"engine {self.url}: GET /health failed: {type(e).__name__}: {e}",
-                                     url=self.url, call="GET /health") from None
-        if r.status_code != 200:
-            raise EngineRequestError(f"engine {self.url}: GET /health -> HTTP {r.status_code}: {r.text[:300]}",
-                                     status=r.status_code, url=self.url, call="GET /health")
+        self.live(timeout_s)
         paused = self._call("GET", "/is_paused", timeout_s)["is_paused"]
         return {"status": "ok", "state": "drained" if paused else "serving", "version": self.version(),
                 "verified": self.verified}
@@ -88,6 +81,24 @@ class VLLMServeClient(EngineClient):
             raise EngineRequestError(f"engine {self.url}: GET /metrics -> HTTP {r.status_code}: {r.text[:300]}",
                                      status=r.status_code, url=self.url, call="GET /metrics")
         return parse(r.text)
+
+    def live(self, timeout_s: float = 5.0) -> None:
+        """vLLM's own /health (200 while its API server runs and its engine is not dead), nothing else: the
+        supervisor's check, which must not wait on the EngineCore (health() asks it whether it is paused)."""
+        try:
+            r = self._http.get("/health", timeout=timeout_s)
+        except httpx.HTTPError as e:
+            raise EngineRequestError(f"engine {self.url}: GET /health failed: {type(e).__name__}: {e}",
+                                     url=self.url, call="GET /health") from None
+        if r.status_code != 200:
+            raise EngineRequestError(f"engine {self.url}: GET /health -> HTTP {r.status_code}: {r.text[:300]}",
+                                     status=r.status_code, url=self.url, call="GET /health")
+
+    def progress(self, timeout_s: float = 5.0):
+        """Requests pending and tokens generated so far, from vLLM's /metrics (rollout/vllm_metrics.py Progress)."""
+        from rlslurm.rollout.vllm_metrics import Progress
+
+        return Progress.of(self.metrics(timeout_s))
 
     def wait_ready(self, timeout_s: float, **kwargs) -> dict:
         kwargs.setdefault("poll_s", 0.5)
