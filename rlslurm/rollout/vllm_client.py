@@ -68,34 +68,31 @@ class VLLMServeClient(EngineClient):
         return {"status": "ok", "state": "drained" if paused else "serving", "version": self.version(),
                 "verified": self.verified}
 
+    def _get_text(self, path: str, timeout_s: float) -> str:
+        """GET a route that answers plain text (vLLM's /health: empty; /metrics: Prometheus text), bounded."""
+        try:
+            r = self._http.get(path, timeout=timeout_s)
+        except httpx.HTTPError as e:
+            raise EngineRequestError(f"engine {self.url}: GET {path} failed: {type(e).__name__}: {e}",
+                                     url=self.url, call=f"GET {path}") from None
+        if r.status_code != 200:
+            raise EngineRequestError(f"engine {self.url}: GET {path} -> HTTP {r.status_code}: {r.text[:300]}",
+                                     status=r.status_code, url=self.url, call=f"GET {path}")
+        return r.text
+
     def metrics(self, timeout_s: float = 5.0) -> list[tuple[str, dict[str, str], float]]:
         """vLLM's Prometheus /metrics, parsed (rollout/vllm_metrics.py)."""
         from rlslurm.rollout.vllm_metrics import parse
 
-        try:
-            r = self._http.get("/metrics", timeout=timeout_s)
-        except httpx.HTTPError as e:
-            raise EngineRequestError(f"engine {self.url}: GET /metrics failed: {type(e).__name__}: {e}",
-                                     url=self.url, call="GET /metrics") from None
-        if r.status_code != 200:
-            raise EngineRequestError(f"engine {self.url}: GET /metrics -> HTTP {r.status_code}: {r.text[:300]}",
-                                     status=r.status_code, url=self.url, call="GET /metrics")
-        return parse(r.text)
+        return parse(self._get_text("/metrics", timeout_s))
 
     def live(self, timeout_s: float = 5.0) -> None:
         """vLLM's own /health (200 while its API server runs and its engine is not dead), nothing else: the
         supervisor's check, which must not wait on the EngineCore (health() asks it whether it is paused)."""
-        try:
-            r = self._http.get("/health", timeout=timeout_s)
-        except httpx.HTTPError as e:
-            raise EngineRequestError(f"engine {self.url}: GET /health failed: {type(e).__name__}: {e}",
-                                     url=self.url, call="GET /health") from None
-        if r.status_code != 200:
-            raise EngineRequestError(f"engine {self.url}: GET /health -> HTTP {r.status_code}: {r.text[:300]}",
-                                     status=r.status_code, url=self.url, call="GET /health")
+        self._get_text("/health", timeout_s)
 
     def progress(self, timeout_s: float = 5.0):
-        """Requests pending and tokens generated so far, from vLLM's /metrics (rollout/vllm_metrics.py Progress)."""
+        """Requests running and tokens generated so far, from vLLM's /metrics (rollout/vllm_metrics.py Progress)."""
         from rlslurm.rollout.vllm_metrics import Progress
 
         return Progress.of(self.metrics(timeout_s))
