@@ -30,18 +30,10 @@ HIDDEN = 128  # head size 32 with the fixtures' 4 heads: the smallest vLLM's CPU
 SEEDS = (0, 1, 2)
 
 
-SHARED_ENGINE = ("test_vllm_serve_sync.py", "test_vllm_serving.py")
-"""The modules of the session `engine`: one xdist group (tests/conftest.py), so `make test`'s two workers start it
-once, not once each."""
-
-
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if HERE in Path(str(item.fspath)).resolve().parents:
             item.add_marker(pytest.mark.vllm)
-            if Path(str(item.fspath)).name in SHARED_ENGINE:
-                # First among its xdist_group markers (xdist reads the closest one): before tests/conftest.py's.
-                item.add_marker(pytest.mark.xdist_group("tests/vllm/shared-engine"), append=False)
 
 
 @pytest.fixture(scope="session")
