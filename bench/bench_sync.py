@@ -33,6 +33,7 @@ checksums run at HBM speed and vanish next to the link). Ratios (goals from the 
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import subprocess
 import sys
@@ -169,7 +170,8 @@ def measure(method: str, tensors: dict, client, folder: Path, reps: int, version
             if report.attempts != 1:
                 raise RuntimeError(f"{method}: sync needed {report.attempts} attempts (verify failed)")
             m = report.metrics()
-            rows.append({"wall_s": wall_s, "raw_s": raw(), **{f"{s}_s": m[f"sync_{s}_s"] for s in STAGES}})
+            split = {f"{k}_s": v for k, v in getattr(transport, "seconds", {}).items()}  # disk: write, after_write
+            rows.append({"wall_s": wall_s, "raw_s": raw(), **{f"{s}_s": m[f"sync_{s}_s"] for s in STAGES}, **split})
     finally:
         transport.close()
         raw.close()
@@ -183,6 +185,20 @@ def measure(method: str, tensors: dict, client, folder: Path, reps: int, version
     out["update_gbps"] = nbytes / out["update_s"] / 1e9
     out["raw_gbps"] = nbytes / out["raw_s"] / 1e9
     return out
+
+
+WORKER_LINE = re.compile(r"start ([\d.]+) s, receive ([\d.]+) s in (\d+) update\(s\) \(load_weights ([\d.]+) s of "
+                         r"it, its copy ([\d.]+) s\), finish \(layerwise reload, re-pack\) ([\d.]+) s")
+
+
+def worker_split(log_path: Path, last: int) -> dict | None:
+    """Medians of the last `last` updates' worker-side seconds, from the vLLM engine's log (rollout/vllm_transfer.py
+    logs them at each finish_weight_update): start, receive (file read + load), load_weights, copy, finish."""
+    found = WORKER_LINE.findall(log_path.read_text(errors="replace")) if log_path.exists() else []
+    if len(found) < last:
+        return None
+    keys = ("start", "receive", "updates", "load", "copy", "finish")
+    return {k: statistics.median(float(row[i]) for row in found[-last:]) for i, k in enumerate(keys)}
 
 
 def start_engine(engine: str, model_dir: Path, folder: Path):
@@ -227,6 +243,14 @@ def run(quick: bool = False, log=print, bucket_mb: float = 64.0, engine: str = "
                 methods[method] = m
                 log(f"  {method}: drain {m['drain_s']:.3f} update {m['update_s']:.3f} verify {m['verify_s']:.3f} "
                     f"resume {m['resume_s']:.3f} s; raw {m['raw_s']:.3f} s; sync {m['wall_s']:.3f} s")
+                if "write_s" in m:
+                    log(f"    of UPDATE: trainer writing (and checksumming) {m['write_s']:.3f} s, shard loads finished "
+                        f"meanwhile {m['loaded_while_writing_s']:.3f} s, then engines done {m['after_write_s']:.3f} s "
+                        "later")
+                worker = worker_split(folder / "engine.log", WARMUP + reps) if engine == "vllm" else None
+                if worker:
+                    m["worker"] = worker
+                    log("    in vLLM's worker (median): " + ", ".join(f"{k} {v:.3f}" for k, v in worker.items()))
         finally:
             server.stop()
     return {"model_mb": nbytes / 1e6, "reps": reps, "bucket_mb": bucket_mb, "engine": engine, "start_s": start_s,

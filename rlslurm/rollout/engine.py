@@ -7,7 +7,7 @@ every sample its tokens, per-token logprobs and the policy `version` of the weig
 copies new values into them in place. An engine that can take new tensors by reference
 (`adopts_weights`, HFEngine) lets a sync stage the next version beside the served one and swap it in
 with `adopt_weights()` once verified: no copy, and the old version stays whole for a rollback.
-The vLLM engine (vllm_engine.py, its own venv) plugs in behind the same methods.
+(rollout.engine vllm is vLLM's own server, rollout/vllm_serve.py: not an Engine of this interface.)
 
     engine = HFEngine("runs/x/checkpoints/step-00000010/hf")
     [[c]] = engine.generate(["2 + 3 ="], SamplingParams(temperature=0.0, max_new_tokens=4))
@@ -123,15 +123,8 @@ class Engine(abc.ABC):
         return checksums(self.named_weights())
 
     def close(self) -> None:
-        """Release what the engine holds beyond this process (vLLM: its engine-core and worker processes)."""
+        """Release what the engine holds beyond this process."""
         return None  # an in-process engine (HFEngine) holds nothing beyond this process
-
-    def snapshot(self) -> dict[str, torch.Tensor]:
-        """A host copy of the served weights, to roll back to if an update fails its verify."""
-        return {name: t.detach().to("cpu", copy=True) for name, t in self.named_weights()}
-
-    def restore(self, snapshot: dict[str, torch.Tensor]) -> None:
-        self.load_weights(snapshot.items())
 
 
 class WeightLoadError(ValueError):

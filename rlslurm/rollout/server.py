@@ -2,7 +2,6 @@
 weight sync.
 
     python -m rlslurm.rollout.server --model DIR --port 8000 --secret-file RUN/secret [--host 127.0.0.1]
-    .venv-vllm/bin/python -m rlslurm.rollout.server --engine vllm --model DIR --port 8000 --secret-file F
 
 Serving: GET /v1/models, POST /v1/completions (the `openai` client works against it, the job's secret
 as its api_key). Each response, and each choice in it, carries `policy_version`, the version of the
@@ -25,8 +24,8 @@ Admin (used by rlslurm/sync/protocol.py): GET /admin/version, /admin/checksum; P
 /admin/resume. Updates are accepted only while drained, and resume is refused until the weights
 loaded since the drain passed /admin/verify, whose expectation must name every served tensor: an
 unverified update is never served. An update lands beside the served weights and is swapped in by
-reference once verified when the engine can adopt tensors (HFEngine), else it is copied in place over
-a rollback snapshot (rlslurm/sync/landing.py).
+reference once verified (HFEngine adopts tensors; rlslurm/sync/landing.py); with --no-keep-previous it is
+copied in place and a failed verify leaves the engine drained until a sync passes (no rollback).
 """
 
 from __future__ import annotations
@@ -81,12 +80,10 @@ class EngineServer:
         self.limits = limits or Limits(context_tokens=engine.context_tokens, vocab_size=engine.vocab_size)
         self.request_timeout_s, self.stall_timeout_s = request_timeout_s, stall_timeout_s
         self.batcher = Batcher(engine, max_batch_rows=self.limits.max_batch_rows, debug_stall_s=debug_stall_s)
-        self.keep_previous = keep_previous
-        self.previous: dict[str, torch.Tensor] | None = None  # last verified weights, for rollback
         self.verified = True  # weights served == weights last verified (or loaded at start)
         self.group: BroadcastGroup | None = None
         # Staged: updates land beside the served weights and are swapped in once verified, so the
-        # old version is the rollback and no snapshot is copied. Else copied in place.
+        # old version is the rollback and no snapshot is copied. Else copied in place, with no rollback.
         self.staged = keep_previous and engine.adopts_weights
         self.pool = BufferPool()
         self.landing: Landing | None = None  # the update since the drain, until verified or dropped
@@ -97,8 +94,6 @@ class EngineServer:
             raise HTTPException(409, f"updates need a drained engine; state is {self.gate.state!r}")
         if self.landing is not None:  # a retry replaces the attempt that failed its verify
             self.landing.drop()
-        if not self.staged and self.verified and self.keep_previous:
-            self.previous = self.engine.snapshot()
         self.verified = False
         self.landing = Landing(self.engine, staged=self.staged, pool=self.pool)
         return self.landing
@@ -145,13 +140,8 @@ class EngineServer:
                 self.landing = None
             self.verified = True
             return {"ok": True, "version": self.engine.version, "mismatches": []}
-        if self.previous is None:
-            raise HTTPException(409, "no previous weights kept (--no-keep-previous) or nothing to undo")
-        self.landing = None
-        self.engine.restore(self.previous)
-        problems = compare(checksums(self.previous.items()), self.engine.checksums())
-        self.verified = not problems
-        return {"ok": not problems, "version": self.engine.version, "mismatches": problems}
+        raise HTTPException(409, "no previous weights kept (--no-keep-previous): the engine stays drained "
+                                 "until a sync passes verify")
 
     def load(self, named) -> int:
         try:
@@ -358,12 +348,6 @@ def _guard(args):
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="Hugging Face model directory")
-    p.add_argument("--engine", choices=("hf", "vllm"), default="hf",
-                   help="hf = transformers (rollout/engine.py); vllm = vLLM (rollout/vllm_engine.py, "
-                        "needs the .venv-vllm interpreter: sbatch/install_vllm_cpu.sh)")
-    p.add_argument("--debug-skip-repack", action="store_true",
-                   help="vllm only, tests only: load updates without re-packing the CPU GEMM weights "
-                        "(a silent half-update that VERIFY must catch)")
     p.add_argument("--debug-stall-s", type=float, default=0.0,
                    help="tests only: every generate call first waits this long without progress (a wedged engine)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind: the one the job's peers use")
@@ -404,14 +388,8 @@ def main(argv: list[str] | None = None) -> None:
     token = secret.from_env_or(args.secret_file)  # before the model loads: a missing secret fails fast
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.engine == "vllm":
-        from rlslurm.rollout.vllm_engine import VLLMEngine
-
-        engine: Engine = VLLMEngine(args.model, dtype=args.dtype, version=args.version, name=args.name,
-                                    skip_repack=args.debug_skip_repack)
-    else:
-        engine = HFEngine(args.model, device=args.device, dtype=args.dtype, version=args.version,
-                          name=args.name)
+    engine: Engine = HFEngine(args.model, device=args.device, dtype=args.dtype, version=args.version,
+                              name=args.name)
     limits = Limits(max_n=args.max_n, max_tokens=args.max_tokens, max_prompts=args.max_prompts,
                     max_prompt_tokens=args.max_prompt_tokens, max_batch_rows=args.max_batch_rows,
                     context_tokens=engine.context_tokens, vocab_size=engine.vocab_size)

@@ -12,7 +12,10 @@ port chosen once and kept, so the controller's client reaches the replacement at
 thread checks every `rollout.health_interval_s`: a process that exited is replaced at once (event
 `engine_died`); one without a healthy /health answer for `rollout.hang_timeout_s` (SIGSTOP, a wedged loop,
 the server's own 503 of a stalled generation) is SIGKILLed and replaced (event `engine_unhealthy`, with
-the process state: `stopped` for SIGSTOP). Killing it is also what frees the controller: its request in
+the process state: `stopped` for SIGSTOP). vLLM's server answers /health from its API process while its
+EngineCore (a child) may be stopped or wedged: for it the supervisor also reads vLLM's Prometheus /metrics,
+and requests pending with the generated-token counter unchanged for `rollout.hang_timeout_s` is a hang too
+(its cause says so; rollout/vllm_metrics.py). Killing it is also what frees the controller: its request in
 flight to the hung engine fails at once (connection reset) instead of at rollout.request_timeout_s, so
 the prompts go to the engines left. Each replacement writes `engine_restarted`; past the budget the
 supervisor gives up (`engine_down`) and sets `failed`.
@@ -44,6 +47,7 @@ import psutil
 from rlslurm import events
 from rlslurm.rollout.client import EngineProcess, EngineRequestError, spawn_engine
 from rlslurm.rollout.config import RolloutConfig
+from rlslurm.rollout.vllm_metrics import ProgressWatch
 from rlslurm.rundir import RunDir
 
 log = logging.getLogger(__name__)
@@ -150,6 +154,7 @@ class EngineSupervisor:
         self.failed = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._progress: ProgressWatch | None = None  # vLLM: its token counter against pending requests
 
     @property
     def pid(self) -> int | None:
@@ -201,11 +206,29 @@ class EngineSupervisor:
         os.replace(tmp, path)
 
     def _healthy(self) -> bool:
+        client = self.process.client
+        # vLLM's server: its own /health only (rlslurm's health() also asks the EngineCore whether it is paused).
+        check = getattr(client, "live", client.health)
         try:
-            self.process.client.health(timeout_s=min(HEALTH_TIMEOUT_S, self.cfg.hang_timeout_s / 3))
+            check(timeout_s=min(HEALTH_TIMEOUT_S, self.cfg.hang_timeout_s / 3))
             return True
         except EngineRequestError:
             return False
+
+    def _stalled(self) -> str | None:
+        """vLLM's server: the cause when its Prometheus counters say requests are pending and no token came for
+        rollout.hang_timeout_s (rollout/vllm_metrics.py: its EngineCore may be stopped while /health answers)."""
+        read = getattr(self.process.client, "progress", None)
+        if read is None:
+            return None
+        if self._progress is None:
+            self._progress = ProgressWatch(self.cfg.hang_timeout_s)
+        try:
+            progress = read(timeout_s=min(HEALTH_TIMEOUT_S, self.cfg.hang_timeout_s / 3))
+        except (EngineRequestError, ValueError) as e:
+            log.warning("engine %d: /metrics unreadable: %s", self.index, e)
+            return None
+        return self._progress.update(progress, self.clock())
 
     def _monitor(self) -> None:
         last_ok = self.clock()
@@ -226,17 +249,20 @@ class EngineSupervisor:
                     return
                 last_ok = self.clock()
                 continue
-            if self._healthy():
+            healthy = self._healthy()
+            stalled = self._stalled() if healthy else None
+            if healthy and stalled is None:
                 last_ok = self.clock()
                 continue
             silent_s = self.clock() - last_ok
-            if silent_s < self.cfg.hang_timeout_s or self._stop.is_set():
+            if self._stop.is_set() or (stalled is None and silent_s < self.cfg.hang_timeout_s):
                 continue
             state = process_state(pid)
             self._event(events.ENGINE_UNHEALTHY, engine=self.index, node=self.node, pid=pid, url=self.url,
                         unhealthy_s=round(silent_s, 2), process_state=state, log=str(self.spec.log_path),
-                        cause=f"no healthy /health answer for {silent_s:.1f} s (rollout.hang_timeout_s = "
-                              f"{self.cfg.hang_timeout_s:g})")
+                        cause=stalled or f"no healthy /health answer for {silent_s:.1f} s (rollout.hang_timeout_s = "
+                                         f"{self.cfg.hang_timeout_s:g})")
+            self._progress = None
             kill_tree(pid)
             self.exits[pid] = self.process.proc.wait(timeout=10)
             if not self._replace("hung"):

@@ -5,7 +5,8 @@ rlslurm/sync/protocol.py and rl/controller.py call, on vLLM's routes.
               and policy_version: vLLM's weight version (GET /weight_info) that produced the response
     DRAIN     POST /pause?mode=wait        in-flight requests finish; new ones wait in vLLM until /resume
     UPDATE    POST /init_weight_transfer_engine (broadcast: join the trainer's group), /start_weight_update,
-              /update_weights {kind: broadcast | disk | ipc}, /finish_weight_update (rollout/vllm_transfer.py)
+              /update_weights {kind: broadcast | disk | ipc} (disk: once per shard, as the trainer finishes
+              it), /finish_weight_update (rollout/vllm_transfer.py)
     VERIFY    POST /collective_rpc rlslurm_checksums: every worker's checksums of what it serves
     RESUME    POST /update_weight_version {version}, POST /resume
 
@@ -21,7 +22,7 @@ for every re-packed linear weight (shared/notes/vllm-rl-api.md), and its baselin
 so the trainer could not supply it. Instead every worker checksums, in rlslurm/sync/checksum.py's scheme,
 each tensor as it is *served*: a linear layer's weight read back through the layer's own GEMM (the packed
 copy the forward pass uses), fused projections cut back into their Hugging Face parts, under HF names
-(rollout/vllm_engine.py WorkerWeights). The reference is the trainer's checksums of the tensors it sent,
+(rollout/vllm_verify.py WorkerChecks). The reference is the trainer's checksums of the tensors it sent,
 taken from its own memory, never from an engine. A half-applied update (some tensors or layers loaded,
 others not; parameters loaded but never re-packed) leaves some served tensor with the old bytes, and a
 stale engine serves all old bytes: either way that tensor's checksum differs from the trainer's, named.
@@ -62,17 +63,39 @@ class VLLMServeClient(EngineClient):
     # -- serving -----------------------------------------------------------------------------------
     def health(self, timeout_s: float = 5.0) -> dict:
         """vLLM's /health (an empty 200), plus what the sync tests read: state, version, verified."""
-        try:
-            r = self._http.get("/health", timeout=timeout_s)
-        except httpx.HTTPError as e:
-            raise EngineRequestError(f"engine {self.url}: GET /health failed: {type(e).__name__}: {e}",
-                                     url=self.url, call="GET /health") from None
-        if r.status_code != 200:
-            raise EngineRequestError(f"engine {self.url}: GET /health -> HTTP {r.status_code}: {r.text[:300]}",
-                                     status=r.status_code, url=self.url, call="GET /health")
+        self.live(timeout_s)
         paused = self._call("GET", "/is_paused", timeout_s)["is_paused"]
         return {"status": "ok", "state": "drained" if paused else "serving", "version": self.version(),
                 "verified": self.verified}
+
+    def _get_text(self, path: str, timeout_s: float) -> str:
+        """GET a route that answers plain text (vLLM's /health: empty; /metrics: Prometheus text), bounded."""
+        try:
+            r = self._http.get(path, timeout=timeout_s)
+        except httpx.HTTPError as e:
+            raise EngineRequestError(f"engine {self.url}: GET {path} failed: {type(e).__name__}: {e}",
+                                     url=self.url, call=f"GET {path}") from None
+        if r.status_code != 200:
+            raise EngineRequestError(f"engine {self.url}: GET {path} -> HTTP {r.status_code}: {r.text[:300]}",
+                                     status=r.status_code, url=self.url, call=f"GET {path}")
+        return r.text
+
+    def metrics(self, timeout_s: float = 5.0) -> list[tuple[str, dict[str, str], float]]:
+        """vLLM's Prometheus /metrics, parsed (rollout/vllm_metrics.py)."""
+        from rlslurm.rollout.vllm_metrics import parse
+
+        return parse(self._get_text("/metrics", timeout_s))
+
+    def live(self, timeout_s: float = 5.0) -> None:
+        """vLLM's own /health (200 while its API server runs and its engine is not dead), nothing else: the
+        supervisor's check, which must not wait on the EngineCore (health() asks it whether it is paused)."""
+        self._get_text("/health", timeout_s)
+
+    def progress(self, timeout_s: float = 5.0):
+        """Requests running and tokens generated so far, from vLLM's /metrics (rollout/vllm_metrics.py Progress)."""
+        from rlslurm.rollout.vllm_metrics import Progress
+
+        return Progress.of(self.metrics(timeout_s))
 
     def wait_ready(self, timeout_s: float, **kwargs) -> dict:
         kwargs.setdefault("poll_s", 0.5)
@@ -85,6 +108,10 @@ class VLLMServeClient(EngineClient):
         for _ in range(RETRIES):
             before = self.version()
             out = self._call("POST", "/v1/completions", timeout_s, json=body)
+            if any(c.get("finish_reason") == "abort" for c in out.get("choices", [])):
+                # vLLM answers 200 for requests its engine aborted (shutdown, abort_requests): truncated samples.
+                raise EngineRequestError(f"engine {self.url}: vLLM aborted the request (finish_reason abort)",
+                                         status=503, url=self.url, call="POST /v1/completions")
             if self.version() == before:
                 return _stamped(out, before)
         raise EngineRequestError(f"engine {self.url}: the weight version changed during each of {RETRIES} "
@@ -110,6 +137,18 @@ class VLLMServeClient(EngineClient):
 
     def update_disk(self, path: str, timeout_s: float) -> dict:
         return self._update({"kind": "disk", "path": path}, timeout_s)
+
+    # A disk update shard by shard (rlslurm/sync/disk.py DiskTransport): the worker loads shard k while the
+    # trainer writes shard k + 1; vLLM's layerwise reload spans the update_weights calls between start and finish.
+    def begin_disk_update(self, timeout_s: float) -> None:
+        self.verified = False
+        self._post("/start_weight_update", timeout_s)
+
+    def update_disk_shard(self, path: str, files: list[str], timeout_s: float) -> None:
+        self._post("/update_weights", timeout_s, update_info={"kind": "disk", "path": path, "files": files})
+
+    def finish_disk_update(self, timeout_s: float) -> None:
+        self._post("/finish_weight_update", timeout_s)
 
     def broadcast_join(self, addr: str, port: int, rank: int, world_size: int, generation: int,
                        timeout_s: float) -> dict:

@@ -15,7 +15,7 @@ What the server is started with, and why:
   max_tokens: vLLM has no flag for either; prompt length is vLLM's own --max-model-len). The secret file's
   path comes in RLSLURM_SECRET_FILE, never the token (argv and env are visible to `ps`).
 - `--weight-transfer-config {"backend": "rlslurm"}` (rollout/vllm_transfer.py, registered through vLLM's
-  plugin entry point) and `--worker-extension-cls` rollout/vllm_transfer.py WorkerChecks: VERIFY reads what
+  plugin entry point) and `--worker-extension-cls` rollout/vllm_verify.py WorkerChecks: VERIFY reads what
   every worker serves (rlslurm/rollout/vllm_client.py says why that and not /weight_checker alone).
 - `--tensor-parallel-size rollout.tp`; on CPU, TP > 1 needs each worker's OpenMP threads bound to cores of
   its own (VLLM_CPU_OMP_THREADS_BIND="0|1") and a small --gpu-memory-utilization (on CPU: the share of host
@@ -24,6 +24,8 @@ What the server is started with, and why:
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -34,23 +36,27 @@ from rlslurm import secret, wire
 from rlslurm.rollout.client import EngineProcess, EngineRequestError
 
 GATE = "rlslurm.rollout.vllm_serve.SecretGate"
-WORKER_EXTENSION = "rlslurm.rollout.vllm_transfer.WorkerChecks"
+WORKER_EXTENSION = "rlslurm.rollout.vllm_verify.WorkerChecks"
 DATA_PATHS = ("/v1/completions", "/v1/models")
 LIMITS_ENV = "RLSLURM_VLLM_LIMITS"
 """JSON {"max_n", "max_tokens", "max_body_bytes", "open_data"}: the gate's bounds, set by the launcher."""
 ADMIN_BODY_BYTES = 64 << 20  # an update's manifest of many tensors
+ENGINE_POLL_S = 0.5  # how often a /v1 request in flight asks whether vLLM's engine stopped
 
 
 class SecretGate(wire.Protect):
     """ASGI middleware vLLM adds with `--middleware` (it passes only the app): the job's secret on every
-    route but /health, bounded bodies, and n / max_tokens bounds on /v1 requests (a 400 naming the bound)."""
+    route but /health, bounded bodies, and n / max_tokens bounds on /v1 requests (a 400 naming the bound);
+    a /v1 request still in flight when vLLM's engine stops is ended (503), see `_until_engine_stops`."""
 
     def __init__(self, app):
         limits = json.loads(os.environ.get(LIMITS_ENV) or "{}")
         self.max_n = int(limits.get("max_n", 64))
         self.max_tokens = int(limits.get("max_tokens", 4096))
         body = int(limits.get("max_body_bytes", 16 << 20))
-        super().__init__(app, token=secret.from_env_or(None), open_paths=("/health",), data_paths=DATA_PATHS,
+        self.inner = app
+        super().__init__(self._until_engine_stops, token=secret.from_env_or(None), open_paths=("/health",),
+                         data_paths=DATA_PATHS,
                          open_data=bool(limits.get("open_data", False)),
                          max_body_bytes=lambda path: body if path.startswith("/v1/") else ADMIN_BODY_BYTES)
 
@@ -62,6 +68,34 @@ class SecretGate(wire.Protect):
             if not secret.matches(presented.decode("latin-1") if presented else None, self.token):
                 return await send({"type": "websocket.close", "code": 1008})
         return await super().__call__(scope, receive, send)
+
+    async def _until_engine_stops(self, scope, receive, send):
+        """vLLM 0.32 on SIGTERM stops its engine (in-flight requests aborted in the EngineCore) and then waits,
+        with no bound, for every HTTP connection to close; a request in flight never gets its answer (its
+        output handler went with the engine), so the server lived as long as its slowest caller's timeout
+        (measured: > 30 s after SIGTERM with a generation in flight; tests/vllm/test_vllm_trust.py). Each /v1
+        request runs as a task that is cancelled, and answered 503, once vLLM's engine client says it errored
+        or stopped (AsyncLLM.errored), which also ends requests to an EngineCore that died."""
+        engine = getattr(getattr(scope.get("app"), "state", None), "engine_client", None)
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/") or engine is None:
+            return await self.inner(scope, receive, send)
+        started = False
+
+        async def tracked(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        task = asyncio.ensure_future(self.inner(scope, receive, tracked))
+        while not (await asyncio.wait({task}, timeout=ENGINE_POLL_S))[0]:
+            if getattr(engine, "errored", False):
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+                if not started:
+                    await wire._reply(send, 503, "vLLM's engine stopped with this request in flight", "engine_stopped")
+                return None
+        return task.result()
 
     def check_body(self, path: str, body: bytes) -> str | None:
         if not path.startswith("/v1/") or not body:

@@ -1,11 +1,10 @@
 """rlslurm's weight-transfer engine for vLLM's own RL routes, run inside vLLM's workers.
 
-    vllm serve DIR --weight-transfer-config '{"backend": "rlslurm"}' \
-        --worker-extension-cls rlslurm.rollout.vllm_transfer.WorkerChecks     # (rollout/vllm_serve.py)
+    vllm serve DIR --weight-transfer-config '{"backend": "rlslurm"}'         # (rollout/vllm_serve.py)
     POST /init_weight_transfer_engine {"init_info": {"addr", "port", "rank_offset", "world_size", ...}}
     POST /start_weight_update; POST /update_weights {"update_info": {"kind": "broadcast" | "disk", ...}}
     POST /finish_weight_update {"weight_version": "12"}
-    POST /collective_rpc {"method": "rlslurm_checksums"}                      # VERIFY
+    POST /collective_rpc {"method": "rlslurm_checksums"}     # VERIFY (rollout/vllm_verify.py, same workers)
 
 Why an engine of our own: vLLM's built-in nccl and ipc engines use CUDA streams; on CPU there is none
 that runs. This one is registered through vLLM's plugin entry point (`vllm.general_plugins` in
@@ -28,6 +27,10 @@ from vllm.logger import init_logger
 
 log = init_logger("vllm.rlslurm.weight_transfer")  # under vLLM's logger: the engine's log shows it, from a worker
 
+DEBUG = {"skip_retie": False}
+"""Tests only (set through /collective_rpc rlslurm_debug, rollout/vllm_verify.py): `skip_retie` leaves a tied LM
+head's packed GEMM on the old weights after an update, the half-applied update VERIFY must catch."""
+
 BACKEND = "rlslurm"
 """The name the engine is registered under: `--weight-transfer-config '{"backend": "rlslurm"}'`."""
 
@@ -47,8 +50,6 @@ from vllm.distributed.weight_transfer.base import (  # noqa: E402
     WeightTransferUpdateInfo,
 )
 
-from rlslurm.rollout.vllm_engine import WorkerWeights, _gemm_weight  # noqa: E402
-
 
 @dataclass
 class RlslurmInitInfo(WeightTransferInitInfo):
@@ -65,11 +66,14 @@ class RlslurmInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class RlslurmUpdateInfo(WeightTransferUpdateInfo):
-    """One update: `broadcast` (manifest + bucket_bytes over the joined group), `disk` (a version dir) or
+    """One update: `broadcast` (manifest + bucket_bytes over the joined group), `disk` (a version dir, or some of
+    its shard files: the trainer sends each as soon as it is written) or
     `ipc` (shared-memory handles the worker maps, rlslurm/sync/ipc.py; one worker per FIFO: TP 1)."""
 
     kind: str
     manifest: list[dict] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)
+    """disk: the shards of the version at `path` to load now (empty: all of them)."""
     bucket_bytes: int = 0
     path: str = ""
     handles: list[dict] = field(default_factory=list)
@@ -84,16 +88,19 @@ class _ModelSink:
     adopts_weights = False
     model_name = "vllm-worker"
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, *, copy: bool = True):
         self.model = model
+        self.copy = copy
         self.load_s = 0.0  # in model.load_weights (and the copy before it), of this update
+        self.copy_s = 0.0  # of which the copy
 
     def load_weights(self, named) -> int:
         started = time.perf_counter()
         # Copies: vLLM's layerwise reload keeps a loaded tensor until its layer is complete, and the landing
         # receives the next buckets into the same scratch buffers (measured: gate_proj of bucket k came out
-        # as bucket k+4's bytes). A file's mapped tensors would survive, but one rule is simpler.
-        named = [(name, t.clone()) for name, t in named]
+        # as bucket k+4's bytes). A disk shard's tensors are read from its file, no reused buffer (copy=False).
+        named = [(name, t.clone() if self.copy else t) for name, t in named]
+        self.copy_s += time.perf_counter() - started
         self.model.load_weights(named)
         self.load_s += time.perf_counter() - started
         return sum(t.numel() * t.element_size() for _, t in named)
@@ -143,25 +150,27 @@ class RlslurmTransferEngine(WeightTransferEngine[RlslurmInitInfo, RlslurmUpdateI
 
         started = time.perf_counter()
         initialize_layerwise_reload(self.model)
-        self.seconds = {"start": time.perf_counter() - started, "receive": 0.0, "load": 0.0}
+        self.seconds = {"start": time.perf_counter() - started, "receive": 0.0, "load": 0.0, "copy": 0.0, "calls": 0}
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         started = time.perf_counter()
         finalize_layerwise_reload(self.model, self.model_config)
-        _retie_lm_head(self.model, self.model_config.hf_config)
+        if not DEBUG["skip_retie"]:
+            _retie_lm_head(self.model, self.model_config.hf_config)
         t = {**self.seconds, "finish": time.perf_counter() - started}
-        log.info("rlslurm weight transfer on TP rank %d: start %.3f s, receive %.3f s (load_weights %.3f s of it), "
-                 "finish (layerwise reload, re-pack) %.3f s", self._tp_rank(), t.get("start", 0.0),
-                 t.get("receive", 0.0), t.get("load", 0.0), t["finish"])
+        log.info("rlslurm weight transfer on TP rank %d: start %.3f s, receive %.3f s in %d update(s) (load_weights "
+                 "%.3f s of it, its copy %.3f s), finish (layerwise reload, re-pack) %.3f s", self._tp_rank(),
+                 t.get("start", 0.0), t.get("receive", 0.0), t.get("calls", 0), t.get("load", 0.0), t.get("copy", 0.0),
+                 t["finish"])
 
     def receive_weights(self, update_info: RlslurmUpdateInfo) -> None:
         from rlslurm.sync import disk, ipc
         from rlslurm.sync.landing import Landing
 
         started = time.perf_counter()
-        sink = _ModelSink(self.model)
+        sink = _ModelSink(self.model, copy=update_info.kind != "disk")
         landing = Landing(sink, staged=False)
         if update_info.kind == "broadcast":
             if self.group is None:
@@ -172,7 +181,7 @@ class RlslurmTransferEngine(WeightTransferEngine[RlslurmInitInfo, RlslurmUpdateI
                 self.group = None  # broken by a peer's failure: the trainer rebuilds it
                 raise
         elif update_info.kind == "disk":
-            disk.receive(update_info.path, landing)
+            disk.receive(update_info.path, landing, files=update_info.files or None)
         elif update_info.kind == "ipc":
             ipc.receive(update_info.manifest, update_info.bucket_bytes, update_info.handles, landing,
                         ready=update_info.ready, timeout_s=update_info.timeout_s)
@@ -180,87 +189,10 @@ class RlslurmTransferEngine(WeightTransferEngine[RlslurmInitInfo, RlslurmUpdateI
             raise ValueError(f"update kind {update_info.kind!r}: rlslurm's engine takes broadcast, disk or ipc")
         self.seconds["receive"] = self.seconds.get("receive", 0.0) + time.perf_counter() - started
         self.seconds["load"] = self.seconds.get("load", 0.0) + sink.load_s
+        self.seconds["copy"] = self.seconds.get("copy", 0.0) + sink.copy_s
+        self.seconds["calls"] = self.seconds.get("calls", 0) + 1
         log.debug("rlslurm weight transfer: %s update of %d bytes landed on TP rank %d", update_info.kind,
                   landing.bytes, self._tp_rank())
 
     def shutdown(self) -> None:
         self.group = None
-
-
-# -- VERIFY inside the workers (--worker-extension-cls, called through /collective_rpc) ---------------------
-
-class WorkerChecks(WorkerWeights):
-    """rollout/vllm_engine.py's WorkerWeights (checksums of what a worker serves, packed linear weights read
-    back through their own GEMM, under Hugging Face names), at any tensor-parallel size: at TP > 1 each
-    served shard is gathered across the TP workers (vLLM's own TP group: weight bytes pass only between
-    vLLM's workers) into the Hugging Face tensor, whose checksum is then comparable with the trainer's. A
-    stale or corrupted shard on any one rank changes that tensor's checksum (on every rank)."""
-
-    @torch.no_grad()
-    def rlslurm_checksums(self) -> dict[str, str]:
-        from vllm.distributed import get_tensor_model_parallel_world_size
-
-        if get_tensor_model_parallel_world_size() == 1:
-            return super().rlslurm_checksums()
-        from rlslurm.sync.checksum import tensor_checksum
-
-        out = {}
-        for name, copies in _tp_served(self.model_runner.get_model()).items():
-            sums = sorted({tensor_checksum(t) for t in copies})
-            out[name] = sums[0] if len(sums) == 1 else "inconsistent copies: " + " | ".join(sums)
-        return out
-
-
-def _tp_served(model: torch.nn.Module) -> dict[str, list[torch.Tensor]]:
-    """Every served copy of every HF tensor, each gathered whole across the TP group (Llama-family layouts:
-    column-parallel rows, row-parallel columns, vocab-parallel rows, fused q/k/v and gate/up per rank)."""
-    from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_gather
-    from vllm.model_executor.layers.linear import LinearBase, QKVParallelLinear, RowParallelLinear
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-
-    def gather(t: torch.Tensor, dim: int) -> torch.Tensor:
-        return tensor_model_parallel_all_gather(t.contiguous(), dim)
-
-    tp = get_tensor_model_parallel_world_size()
-    canonical: dict[int, str] = {}
-    for name, p in model.named_parameters():
-        canonical.setdefault(id(p), name)
-    packed = getattr(model, "packed_modules_mapping", {}) or {}
-    lm_head = getattr(model, "lm_head", None)
-    out: dict[str, list[torch.Tensor]] = {}
-    for module in model.modules():
-        for attr, p in module.named_parameters(recurse=False):
-            full = canonical[id(p)]
-            prefix, leaf = full.rsplit(".", 1)
-            gemm = (attr == "weight" and hasattr(module, "cpu_linear")
-                    and (isinstance(module, LinearBase) or module is lm_head))
-            if isinstance(module, VocabParallelEmbedding):
-                # Rank r holds padded-vocab rows [r * n, (r + 1) * n); the checkpoint's are the first org_vocab_size.
-                head = isinstance(module, ParallelLMHead)
-                reads = [gemm and head] + [True] * (gemm and not head)  # a tied embedding: lookup + LM-head GEMM
-                for through_gemm in reads:
-                    local = _gemm_weight(module) if through_gemm else p.detach()
-                    out.setdefault(full, []).append(gather(local, 0)[: module.org_vocab_size])
-                continue
-            local = _gemm_weight(module) if gemm else p.detach()
-            parent, _, short = prefix.rpartition(".")
-            if short in packed and hasattr(module, "output_sizes") and attr in ("weight", "bias"):
-                if isinstance(module, QKVParallelLinear):
-                    if getattr(module, "num_kv_head_replicas", 1) != 1:
-                        raise NotImplementedError("VERIFY at TP > KV heads (replicated KV heads) is not covered")
-                    sizes = [module.num_heads * module.head_size] + [module.num_kv_heads * module.head_size] * 2
-                else:
-                    sizes = [size // tp for size in module.output_sizes]
-                start = 0
-                for sub, size in zip(packed[short], sizes):
-                    hf = f"{parent}.{sub}.{leaf}" if parent else f"{sub}.{leaf}"
-                    out.setdefault(hf, []).append(gather(local[start : start + size], 0))
-                    start += size
-                continue
-            if isinstance(module, RowParallelLinear):
-                out.setdefault(full, []).append(gather(local, 1) if attr == "weight" else local)
-            elif isinstance(module, LinearBase):  # column-parallel
-                out.setdefault(full, []).append(gather(local, 0))
-            else:  # norms: replicated
-                out.setdefault(full, []).append(local)
-    return out

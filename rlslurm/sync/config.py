@@ -14,9 +14,10 @@ class SyncConfig:
     """disk = safetensors on the shared filesystem; broadcast = a process group; ipc = colocated handles;
     auto = from placement."""
     bucket_mb: float = 64.0
-    """MB per bucket (broadcast, ipc): the unit that is pipelined (bucket i+1 is filled while bucket i is
-    in flight); smaller buckets overlap more, larger ones mean fewer messages. A tensor larger than
-    this travels alone (broadcast sends it from the tensor itself, without a copy). Range [0.001, 100000]."""
+    """MB per bucket (broadcast, ipc) or per shard file (disk): the unit that is pipelined (bucket i+1 is filled
+    while bucket i is in flight; a vLLM engine loads shard k while shard k+1 is written); smaller buckets
+    overlap more, larger ones mean fewer messages. A tensor larger than this travels alone (broadcast sends it
+    from the tensor itself, without a copy). Range [0.001, 100000]."""
     timeout_s: float = 60.0
     """Seconds any one stage (drain, update, verify, resume) may take before the sync fails. Range (0, 86400]."""
     verify: bool = True

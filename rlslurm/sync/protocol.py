@@ -225,7 +225,8 @@ def transport_for(method: str, config: SyncConfig, *, weights_dir: str | Path, h
 
     fault = fault if fault is not None else Fault.from_env()
     if method == "disk":
-        return DiskTransport(config.weights_dir or weights_dir, keep=config.keep_versions, fault=fault)
+        return DiskTransport(config.weights_dir or weights_dir, keep=config.keep_versions, fault=fault,
+                             shard_bytes=int(config.bucket_mb * 2**20))
     if method == "broadcast":
         return BroadcastTransport(host, bucket_mb=config.bucket_mb, port=config.store_port or None, fault=fault)
     if method == "ipc":

@@ -10,7 +10,16 @@ from test_sync_landing import DictEngine
 
 from rlslurm.sync.buckets import Fault
 from rlslurm.sync.checksum import checksums
-from rlslurm.sync.disk import WEIGHTS_FILE, DiskTransport, read_weights, receive, version_dir, write_weights
+from rlslurm.sync.disk import (
+    INDEX_FILE,
+    WEIGHTS_FILE,
+    DiskTransport,
+    read_weights,
+    receive,
+    shard_files,
+    version_dir,
+    write_weights,
+)
 from rlslurm.sync.landing import Landing
 
 
@@ -41,12 +50,13 @@ def mixed() -> dict[str, torch.Tensor]:
             "e": torch.empty(0, 4), "big": torch.randn(70_000)}
 
 
+@pytest.mark.parametrize("shard_bytes", [None, 1000])
 @pytest.mark.parametrize("bucket_bytes", [64, 4096, 1 << 30])
-def test_the_engine_reads_every_tensor_bit_exactly(tmp_path, bucket_bytes):
+def test_the_engine_reads_every_tensor_bit_exactly(tmp_path, bucket_bytes, shard_bytes):
     new = mixed()
     engine = DictEngine({n: torch.zeros_like(t) for n, t in new.items()})
     landing = Landing(engine, staged=True)
-    assert receive(write_weights(new, tmp_path, 1), landing, bucket_bytes) == sum(
+    assert receive(write_weights(new, tmp_path, 1, shard_bytes=shard_bytes), landing, bucket_bytes) == sum(
         t.numel() * t.element_size() for t in new.values())
     landing.finish()
     assert landing.checksums == checksums(new.items())
@@ -73,3 +83,83 @@ def test_the_transport_prunes_old_versions_after_the_engines_loaded(tmp_path):
         transport.send({"w": torch.ones(3) * v}, [Engine()], v, timeout_s=5)
     transport.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v00000003", "v00000004"]
+
+
+def test_shards_follow_hugging_faces_index_and_read_back_exactly(tmp_path):
+    import json
+
+    from transformers.utils import SAFE_WEIGHTS_INDEX_NAME
+
+    tensors = mixed()
+    path = write_weights(tensors, tmp_path, 1, shard_bytes=1000)
+    files = shard_files(path)
+    assert INDEX_FILE == SAFE_WEIGHTS_INDEX_NAME and len(files) > 2
+    assert files == [f"model-{k:05d}-of-{len(files):05d}.safetensors" for k in range(1, len(files) + 1)]
+    index = json.loads((path / INDEX_FILE).read_text())
+    assert sorted(index["weight_map"]) == sorted(tensors) and set(index["weight_map"].values()) == set(files)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
+    assert sorted(p.name for p in path.iterdir()) == sorted([*files, INDEX_FILE])  # no .part left
+    back = read_weights(path)
+    assert all(torch.equal(back[n], t) for n, t in tensors.items())
+
+
+def test_a_shard_is_announced_only_whole_and_the_version_only_after_all_of_them(tmp_path):
+    """Crash safety of the pipeline: the callback sees each shard complete (it parses in full) while the
+    version's directory does not exist yet; a failure while loading leaves no version and no temp dir."""
+    tensors = mixed()
+    seen = []
+
+    def on_shard(directory, file):
+        assert not version_dir(tmp_path, 1).exists()
+        part = read_weights(directory, [file])  # a whole safetensors file, every tensor exact
+        assert all(torch.equal(part[n], tensors[n]) for n in part)
+        seen.append(file)
+
+    path = write_weights(tensors, tmp_path, 1, shard_bytes=1000, on_shard=on_shard)
+    assert seen == shard_files(path)
+
+    def refuse(directory, file):
+        raise ValueError("engine refused the shard")
+
+    with pytest.raises(ValueError, match="refused"):
+        write_weights(tensors, tmp_path, 2, shard_bytes=1000, on_shard=refuse)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v00000001"]
+
+
+def test_an_engine_that_takes_shards_loads_one_while_the_next_is_written(tmp_path):
+    """Each shard's load waits until the trainer has started on the next shard (its file or the version's
+    index exists): a transport that wrote shard k + 1 only after shard k's load returned would never get there."""
+    import threading
+
+    calls = []
+
+    class ShardEngine:
+        def begin_disk_update(self, timeout_s):
+            calls.append("begin")
+
+        def update_disk_shard(self, path, files, timeout_s):
+            from pathlib import Path
+
+            (file,) = files
+            k, n = int(file[6:11]), int(file[15:20])
+            nxt = Path(path) / (f"model-{k + 1:05d}-of-{n:05d}.safetensors" if k < n else INDEX_FILE)
+            part = Path(path) / f".{nxt.name}.part"
+            ready = threading.Event()
+            for _ in range(500):
+                if nxt.exists() or part.exists() or version_dir(tmp_path, 1).exists():
+                    ready.set()
+                    break
+                threading.Event().wait(0.01)
+            assert ready.is_set() or k == n, f"shard {k + 1} was not being written while shard {k} loaded"
+            calls.append(file)
+
+        def finish_disk_update(self, timeout_s):
+            calls.append("finish")
+
+    transport = DiskTransport(tmp_path, shard_bytes=1000)
+    tensors = mixed()
+    assert transport.send(tensors, [ShardEngine()], 1, timeout_s=5) == sum(
+        t.numel() * t.element_size() for t in tensors.values())
+    transport.close()
+    files = shard_files(version_dir(tmp_path, 1))
+    assert calls == ["begin", *files, "finish"] and len(files) > 2

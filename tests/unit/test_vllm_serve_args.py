@@ -19,7 +19,7 @@ def test_the_command_is_vllms_server_with_the_gate_the_transfer_engine_and_tp():
     flags = {cmd[i]: cmd[i + 1] for i in range(3, len(cmd) - 1)}
     assert flags["--tensor-parallel-size"] == "2" and flags["--middleware"] == GATE
     assert json.loads(flags["--weight-transfer-config"]) == {"backend": "rlslurm"}
-    assert flags["--worker-extension-cls"] == "rlslurm.rollout.vllm_transfer.WorkerChecks"
+    assert flags["--worker-extension-cls"] == "rlslurm.rollout.vllm_verify.WorkerChecks"
     assert flags["--gpu-memory-utilization"] == "0.1" and flags["--host"] == "10.0.0.1"
 
 

@@ -7,9 +7,10 @@ The tests themselves run in the main venv (transformers 5.24, megatron-core: the
 engine server runs in .venv-vllm. A missing venv is an error, not a skip: a tier that silently skips
 proves nothing. RLSLURM_VLLM_PYTHON names another interpreter.
 
-vLLM takes 15-30 s to start, so the engine shared by the serving and sync tests is session-scoped;
-only the half-update and Megatron tests start one of their own. vLLM's CPU attention needs a head
-size of 32 or more (32, 64, 80, ...): the models here are the fixtures' tiny Llama at hidden 128.
+Every engine here is vLLM's own OpenAI server (rollout/vllm_serve.py, what rollout.engine vllm runs). One
+starts in ~45 s on 2 cores, so the one shared by the serving and sync tests is session-scoped; the TP 2,
+trust and Megatron modules start their own (one per module, one per checkpoint). vLLM's CPU attention needs
+a head size of 32 or more (32, 64, 80, ...): the models here are the fixtures' tiny Llama at hidden 128.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "integration"))  # rollout_fixtures, and the sync test bodies reused here
 
 from rollout_fixtures import save_model, tiny_llama  # noqa: E402
-from vllm_fixtures import VLLM_PYTHON, start_vllm  # noqa: E402
+from vllm_fixtures import VLLM_PYTHON, start_vllm_serve  # noqa: E402
 
 HIDDEN = 128  # head size 32 with the fixtures' 4 heads: the smallest vLLM's CPU attention takes
 SEEDS = (0, 1, 2)
@@ -63,7 +64,8 @@ def reference(models):
 
 @pytest.fixture(scope="session")
 def engine(models, vllm_python, tmp_path_factory):
-    """The shared vLLM engine server, started on seed 0's weights (version 0)."""
-    proc = start_vllm(models[1][0], tmp_path_factory.mktemp("vllm-logs"), vllm_python)
+    """The shared vLLM server, started on seed 0's weights (version 0), with the job's generation bounds."""
+    proc = start_vllm_serve(models[1][0], tmp_path_factory.mktemp("vllm-serve-logs"), vllm_python,
+                            limits={"max_n": 16, "max_tokens": 64, "max_body_bytes": 1 << 20})
     yield proc
     proc.stop(timeout_s=30)

@@ -3,8 +3,8 @@ for a dense model with a tied embedding and for an MoE one (Mixtral layout).
 
 The trainer's side runs here (main venv, megatron-core): build the model, generate greedily with its
 own forward, stream it out with convert.export_hf and write the HF directory (plus the fixtures'
-character tokenizer). The vLLM engine server then loads that directory and must produce the same
-tokens, with logprobs that match Megatron's logits. The dense model also takes a weight sync: its
+character tokenizer). vLLM's own server (rollout.engine: vllm) then loads that directory and must produce
+the same tokens, with logprobs that match Megatron's logits. The dense model also takes a weight sync: its
 embedding is tied, so vLLM serves that matrix twice (lookup table and a separately packed LM-head
 GEMM), and VERIFY must see both copies updated.
 """
@@ -27,7 +27,7 @@ from rlslurm.sync.config import SyncConfig
 from rlslurm.sync.disk import DiskTransport
 from rlslurm.sync.protocol import WeightSync
 from rollout_fixtures import save_tokenizer
-from vllm_fixtures import start_vllm
+from vllm_fixtures import start_vllm_serve
 
 # Head size 64 / 2 = 32, the smallest vLLM's CPU attention takes; one KV head (GQA).
 DENSE = ModelConfig(layers=2, hidden=64, heads=2, kv_heads=1, ffn_hidden=128, vocab=48, tie_embeddings=True)
@@ -71,7 +71,7 @@ def test_vllm_serves_a_converted_megatron_checkpoint_token_for_token(name, vllm_
     save_tokenizer(megatron_dir)
     want = json.loads((megatron_dir / "megatron.json").read_text())
     assert len({t for row in want["tokens"] for t in row}) > 2, want  # not a trivially constant model
-    engine = start_vllm(megatron_dir, tmp_path, vllm_python)
+    engine = start_vllm_serve(megatron_dir, tmp_path, vllm_python)
     try:
         out = engine.client.completions(want["prompts"], max_tokens=NEW_TOKENS, temperature=0)
         if not model.experts:  # the vLLM engine's weight access does not cover MoE experts (packed on CPU)

@@ -1,7 +1,8 @@
 """Weight sync through vLLM's own RL API, against the real OpenAI server (`vllm serve`, rollout.engine: vllm).
 
 The transformers engine's sync suite (tests/integration/test_sync_transports.py) runs here against one
-vLLM server (this module's `engine`): every transport (disk, broadcast, ipc) goes through /pause,
+vLLM server (conftest.py's session `engine`, shared with test_vllm_serving.py): every transport (disk,
+broadcast, ipc) goes through /pause,
 /init_weight_transfer_engine, /start_weight_update, /update_weights, /finish_weight_update into vLLM's
 workers (rlslurm/rollout/vllm_transfer.py), VERIFY reads what every worker serves, and each response is
 stamped with vLLM's weight version. One test differs by design: a vLLM engine keeps no snapshot, so a
@@ -22,7 +23,6 @@ from rlslurm.sync.disk import write_weights
 from rlslurm.sync.protocol import WeightSync
 from rollout_fixtures import PROMPTS, served_tokens, weights
 from test_sync_transports import TRANSPORTS, current_seed, fail_a_corrupted_sync, make_transport, sync_to
-from vllm_fixtures import start_vllm_serve
 
 # The suite's tests, but the rollback one (see the module's docstring): `engine`, `models`, `reference`
 # resolve to this module's server and tests/vllm/conftest.py's models.
@@ -34,14 +34,6 @@ RL_ROUTES = [("POST", "/pause"), ("POST", "/resume"), ("GET", "/is_paused"), ("P
              ("POST", "/update_weight_version"), ("GET", "/weight_info"), ("POST", "/weight_checker"),
              ("POST", "/collective_rpc"), ("POST", "/abort_requests"), ("POST", "/v1/completions"),
              ("GET", "/v1/models"), ("GET", "/metrics")]
-
-
-@pytest.fixture(scope="module")
-def engine(models, vllm_python, tmp_path_factory):
-    proc = start_vllm_serve(models[1][0], tmp_path_factory.mktemp("vllm-serve-logs"), vllm_python,
-                            limits={"max_n": 16, "max_tokens": 64, "max_body_bytes": 1 << 20})
-    yield proc
-    proc.stop(timeout_s=30)
 
 
 def test_every_route_needs_the_secret_and_bodies_are_bounded(engine):

@@ -84,3 +84,31 @@ def test_a_corrupted_tp_shard_is_caught(tp_engine, tied):
     assert health["state"] == "drained" and not health["verified"] and health["version"] == before
     sync(tp_engine, BroadcastTransport("127.0.0.1"), weights(models[0][1]), retries=0)  # sent again
     assert greedy(tp_engine) == reference[1]
+
+
+def test_a_tied_lm_head_left_on_old_weights_is_caught_and_not_served(tp_engine, tied, tmp_path):
+    """A half-applied update for real: vLLM's layerwise reload re-packs a tied embedding once, under its first
+    name, and the LM head's own packed GEMM keeps the old weights unless it is re-tied (rollout/vllm_transfer.py
+    _retie_lm_head; measured in an RL run). With the re-tie switched off, VERIFY names the tensor (its two served
+    copies differ), RESUME is refused; with VERIFY off the same update is served and is neither model."""
+    models, reference = tied[:2], tied[2]
+    old = next(s for s, toks in reference.items() if toks == greedy(tp_engine))
+    new = (old + 1) % len(reference)
+    debug = tp_engine.client._post("/collective_rpc", method="rlslurm_debug", args=["1"])["results"]
+    assert [str(r) for r in debug] == ["True", "True"]  # both TP workers (vLLM returns results as text)
+    try:
+        with pytest.raises(SyncVerifyError) as failed:
+            sync(tp_engine, DiskTransport(tmp_path / "w"), weights(models[0][new]), retries=0)
+        assert "model.embed_tokens.weight" in str(failed.value)
+        health = tp_engine.client.health()
+        assert health["state"] == "drained" and not health["verified"]
+        with pytest.raises(EngineRequestError):
+            tp_engine.client.resume(tp_engine.client.version() + 1, timeout_s=10)
+        # What VERIFY prevented: served anyway, it is neither the old model nor the new one.
+        sync(tp_engine, DiskTransport(tmp_path / "w"), weights(models[0][new]), verify=False)
+        served = greedy(tp_engine)
+        assert served != reference[new] and served != reference[old]
+    finally:
+        tp_engine.client._post("/collective_rpc", method="rlslurm_debug", args=["0"])
+    sync(tp_engine, DiskTransport(tmp_path / "w"), weights(models[0][new]), retries=0)  # the real update repairs it
+    assert greedy(tp_engine) == reference[new]

@@ -1,6 +1,9 @@
-"""The vLLM engine server's bounded work: a caller that disconnects mid-generation has its requests
-aborted inside vLLM (not generated to the end), the admin routes need the job's secret, and SIGTERM with
-a long generation in flight ends the server and vLLM's engine processes within 5 s."""
+"""vLLM's own server under rlslurm's engine supervisor (rollout/supervisor.py), as a job runs it: a caller that
+disconnects mid-generation has its requests aborted inside vLLM (not generated to the end); an EngineCore
+stopped mid-generation (SIGSTOP: /health still answers) is named by vLLM's /metrics and replaced; SIGTERM with
+a long generation in flight ends the server and vLLM's engine processes within 5 s. One supervised server,
+started twice (the replacement serves the last test). (Every route needing the job's secret:
+test_vllm_serve_sync.py.)"""
 
 from __future__ import annotations
 
@@ -12,24 +15,45 @@ import httpx
 import psutil
 import pytest
 
+from rlslurm import events, secret
+from rlslurm.rollout.config import RolloutConfig
+from rlslurm.rollout.supervisor import EngineLaunch, EngineSupervisor
+from rlslurm.rollout.vllm_metrics import GENERATED, RUNNING, WAITING, total
+from rlslurm.rundir import RunDir
 from rlslurm.secret import bearer
+from rlslurm.sync.broadcast import free_port
 from rollout_fixtures import save_model, tiny_llama
-from vllm_fixtures import start_vllm
 from waiting import wait_for
 
-LONG = {"prompt": "abc", "n": 64, "max_tokens": 4000, "temperature": 1.0}
+LONG = {"model": "policy", "prompt": "abc", "n": 64, "max_tokens": 4000, "temperature": 1.0}
 """64 x 4000 tokens (the model has no end-of-sequence token) with attention over up to 4096 positions:
 minutes on a CPU, were it not stopped."""
 
 
+HANG_TIMEOUT_S = 5.0
+
+
 @pytest.fixture(scope="module")
-def long_engine(vllm_python, tmp_path_factory):
-    """A vLLM engine on a model with a 4096-token context: a generation that takes long enough to stop."""
-    model = save_model(tiny_llama(0, hidden=128, layers=4, context=4096), tmp_path_factory.mktemp("long") / "m",
-                       eos=False)
-    proc = start_vllm(model, tmp_path_factory.mktemp("vllm-trust-logs"), vllm_python, "--max-tokens", "4000")
-    yield proc
-    proc.stop(timeout_s=30)
+def supervised(vllm_python, tmp_path_factory):
+    """rollout.engine vllm under its supervisor, on a model with a 4096-token context: a generation that takes
+    long enough to stop."""
+    root = tmp_path_factory.mktemp("vllm-trust")
+    model = save_model(tiny_llama(0, hidden=128, layers=4, context=4096), root / "m", eos=False)
+    run = RunDir(root / "run").create()
+    spec = EngineLaunch(model_dir=model, host="127.0.0.1", port=free_port(), log_path=run.logs / "engine-0.log",
+                        secret_file=secret.ensure(run.secret), engine="vllm", python=str(vllm_python),
+                        args=("--max-n", "64", "--max-tokens", "4000"), env={"HF_HUB_OFFLINE": "1"},
+                        ready_timeout_s=300.0)
+    cfg = RolloutConfig(engine="vllm", max_restarts=1, hang_timeout_s=HANG_TIMEOUT_S, health_interval_s=0.5)
+    sup = EngineSupervisor(0, spec, cfg, run=run, node="here").start()
+    yield sup
+    sup.stop()
+
+
+@pytest.fixture
+def long_engine(supervised):
+    """The supervised server now serving (the last test's replacement, after the hang test)."""
+    return supervised.process
 
 
 def running(proc: psutil.Process) -> bool:
@@ -39,47 +63,71 @@ def running(proc: psutil.Process) -> bool:
         return False
 
 
-def health(proc) -> dict:
-    return httpx.get(proc.url + "/health", timeout=10).json()
-
-
-def test_admin_routes_need_the_secret(long_engine):
-    assert httpx.get(long_engine.url + "/admin/checksum", timeout=10).status_code == 401
-    assert httpx.post(long_engine.url + "/admin/drain", json={"timeout_s": 1}, timeout=10).status_code == 401
-    assert long_engine.client.checksums()  # with it
+def counters(engine) -> tuple[float, float]:
+    """(requests running + waiting, tokens generated so far): vLLM's own /metrics."""
+    samples = engine.client.metrics()
+    return total(samples, RUNNING) + total(samples, WAITING), total(samples, GENERATED)
 
 
 def test_a_disconnected_caller_is_aborted_inside_vllm(long_engine):
-    before = health(long_engine)
     started = time.monotonic()
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(long_engine.url + "/v1/completions", json=LONG, timeout=2.0,
                    headers=bearer(long_engine.client.token))
-    settled = wait_for("the aborted generation to end", lambda: (lambda h: h if h["pending"] == 0 else None)(
-        health(long_engine)), timeout_s=30)
-    assert settled["dropped"]["disconnected"] == before["dropped"]["disconnected"] + 1
+    wait_for("the aborted generation to leave vLLM's scheduler", lambda: counters(long_engine)[0] == 0, timeout_s=30)
     # A whole generation of 64 x 4000 tokens takes far longer than this on a CPU.
     assert time.monotonic() - started < 8
+    _, generated = counters(long_engine)
+    assert generated < 64 * 4000 / 4, generated
     assert long_engine.client.completions(["abc"], max_tokens=4)["choices"]  # and it serves on
 
 
-def test_sigterm_ends_the_vllm_engine_within_5_s_with_a_request_in_flight(long_engine):
-    children = psutil.Process(long_engine.proc.pid).children(recursive=True)
-    assert children, "vLLM's engine core runs in a child process"
-    out: list = []
-
+def post_long(engine, out: list) -> threading.Thread:
+    """One 64 x 4000 generation in a thread; its answer (or error) lands in `out`."""
     def post():
         try:
-            out.append(httpx.post(long_engine.url + "/v1/completions", json=LONG, timeout=60,
-                                  headers=bearer(long_engine.client.token)))
+            out.append(httpx.post(engine.url + "/v1/completions", json=LONG, timeout=60,
+                                  headers=bearer(engine.client.token)))
         except httpx.HTTPError as e:
             out.append(e)
 
     thread = threading.Thread(target=post, daemon=True)
     thread.start()
-    steps = health(long_engine)["steps"]
-    wait_for("the generation to be under way", lambda: health(long_engine)["steps"] > steps + 20, timeout_s=60)
+    generated = counters(engine)[1]
+    wait_for("the generation to be under way", lambda: counters(engine)[1] > generated + 64 * 20, timeout_s=60)
     assert not out, "the generation finished too soon to test a stop in the middle of it"
+    return thread
+
+
+def test_a_stopped_engine_core_is_named_by_its_metrics_and_replaced(supervised):
+    """SIGSTOP of vLLM's EngineCore (a child of the API server): /health keeps answering 200, the running
+    requests' tokens stop; the supervisor names it from vLLM's /metrics, kills the tree and starts another."""
+    engine = supervised.process
+    core = next(p for p in psutil.Process(engine.proc.pid).children() if "EngineCor" in p.name())  # comm: 15 chars
+    out: list = []
+    post_long(engine, out)
+    core.send_signal(signal.SIGSTOP)
+    stopped = time.monotonic()
+    assert httpx.get(engine.url + "/health", timeout=5).status_code == 200  # vLLM's own check sees nothing
+    (unhealthy,) = wait_for("engine_unhealthy", lambda: events.read_events(supervised.run, events.ENGINE_UNHEALTHY),
+                            timeout_s=60)
+    named_s = time.monotonic() - stopped
+    assert "vLLM's /metrics" in unhealthy["cause"] and "requests running" in unhealthy["cause"], unhealthy
+    assert unhealthy["pid"] == engine.proc.pid
+    (restarted,) = wait_for("the replacement", lambda: events.read_events(supervised.run, events.ENGINE_RESTARTED),
+                            timeout_s=300)
+    assert restarted["reason"] == "hung" and supervised.pid != engine.proc.pid and not running(core)
+    assert supervised.process.client.completions(["abc"], max_tokens=4)["choices"]  # the replacement serves
+    print(f"FIGURE vllm_engine_core_sigstop: named {named_s:.1f} s after SIGSTOP (rollout.hang_timeout_s "
+          f"{HANG_TIMEOUT_S:g}), replacement serving {restarted['start_s']:.1f} s after the kill")
+
+
+def test_sigterm_ends_the_vllm_server_within_5_s_with_a_request_in_flight(supervised, long_engine):
+    supervised.stopping()  # the server is stopped from outside, as SLURM's SIGTERM does: no replacement
+    children = psutil.Process(long_engine.proc.pid).children(recursive=True)
+    assert children, "vLLM's engine core runs in a child process"
+    out: list = []
+    thread = post_long(long_engine, out)
     started = time.monotonic()
     long_engine.proc.send_signal(signal.SIGTERM)
     long_engine.proc.wait(30)
@@ -89,7 +137,14 @@ def test_sigterm_ends_the_vllm_engine_within_5_s_with_a_request_in_flight(long_e
         time.sleep(0.05)
     stopped_s = time.monotonic() - started
     thread.join(10)
-    print(f"FIGURE sigterm_vllm: server and vLLM processes gone {stopped_s:.2f} s after SIGTERM, 64 x 4000 in flight")
+    print(f"FIGURE sigterm_vllm_serve: server and vLLM processes gone {stopped_s:.2f} s after SIGTERM, "
+          "64 x 4000 in flight")
     assert stopped_s < 5 and not alive, f"SIGTERM took {stopped_s:.1f} s; still alive: {alive}"
     (answer,) = out
-    assert isinstance(answer, httpx.HTTPError) or answer.status_code == 503, answer
+    # An error, or vLLM's own answer with every sample marked aborted (the EngineCore's abort can reach the
+    # caller before the gate ends the request); rlslurm's client refuses the latter (rollout/vllm_client.py).
+    if not isinstance(answer, httpx.HTTPError) and answer.status_code == 200:
+        reasons = {c["finish_reason"] for c in answer.json()["choices"]}
+        assert reasons == {"abort"}, (reasons, answer.text[:600])
+    else:
+        assert isinstance(answer, httpx.HTTPError) or answer.status_code >= 500, (answer, answer.text[:600])

@@ -1,4 +1,4 @@
-"""Helpers for the vllm tier: where the vLLM venv's interpreter is, and how an engine server starts."""
+"""Helpers for the vllm tier: where the vLLM venv's interpreter is, and how vLLM's server starts."""
 
 from __future__ import annotations
 
@@ -7,18 +7,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = Path(os.environ.get("RLSLURM_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
-
-
-def start_vllm(model_dir: Path, log_dir: Path, vllm_python: Path, *extra: str):
-    """rlslurm's engine server around vLLM's offline LLM (rollout/vllm_engine.py) on a free loopback port (its
-    log: log_dir/engine.log); `start_vllm_serve` below is vLLM's own server, what rollout.engine vllm runs."""
-    from rlslurm.rollout.client import spawn_engine
-    from rlslurm.sync.broadcast import free_port
-
-    return spawn_engine(model_dir, port=free_port(), log_path=log_dir / "engine.log", engine="vllm-offline",
-                        python=str(vllm_python), extra_args=["--name", "policy", *extra],
-                        env={"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"},
-                        ready_timeout_s=240.0)
 
 
 def start_vllm_serve(model_dir: Path, log_dir: Path, vllm_python: Path, *, tp: int = 1, **kwargs):
