@@ -166,7 +166,8 @@ def render(status: Status) -> str:
     lines.append(f"last complete checkpoint: {status.checkpoint or 'none'}")
     for x in status.excluded:
         lines.append(f"kept off node {x.get('node')}: lost at restart {x.get('restart_count')} ({x.get('state')}: "
-                     f"{x.get('reason')}); SLURM was asked to exclude it")
+                     f"{x.get('reason')}); SLURM was asked to exclude it"
+                     + (f" and refused: {x['refused']}" if x.get("refused") else ""))
     if status.ops:
         lines.append("ops kit:")
         lines += [f"  {line}" for line in status.ops]

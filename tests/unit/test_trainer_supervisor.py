@@ -1,0 +1,76 @@
+"""The trainer supervisor's pure parts: srun's task reports (real captures) and the restart decision."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rlslurm.slurm import parse
+from rlslurm.slurm.supervisor import decide, first_death
+
+OUT = Path(__file__).resolve().parent / "slurm_outputs"
+
+
+def ends(name: str) -> list[parse.TaskEnd]:
+    return parse.srun_task_ends((OUT / f"srun_kill_on_bad_exit_{name}.stderr.txt").read_text())
+
+
+@pytest.mark.parametrize("name, task, how, sig", [
+    ("sigkill", 1, "Killed", "SIGKILL"),
+    ("segv", 0, "Segmentation fault", "SIGSEGV"),
+    ("exit3", 0, "Exited with exit code 3", None),
+])
+def test_the_task_that_ended_the_step_is_the_first_srun_reported(name, task, how, sig):
+    """With --kill-on-bad-exit srun reports the culprit, terminates the step, then reports its peers."""
+    found = ends(name)
+    assert [(e.node, e.after_step_signal) for e in found] == [("n1", False), ("n1", True)]
+    assert found[1].how == "Terminated" and found[1].signal == "SIGTERM" and found[1].task == 1 - task
+    death = first_death(found)
+    assert (death.node, death.task, death.how, death.signal) == ("n1", task, how, sig)
+
+
+def test_ranges_core_dumps_and_other_lines():
+    text = ("train: step 3\nsrun: error: n2: tasks 0-2: Killed\n"
+            "srun: error: n1: task 5: Segmentation fault (core dumped)\nsrun: error: n3: task 1: Out Of Memory\n")
+    found = parse.srun_task_ends(text)
+    assert [(e.node, e.task, e.signal) for e in found] == [("n2", 0, "SIGKILL"), ("n2", 1, "SIGKILL"),
+                                                           ("n2", 2, "SIGKILL"), ("n1", 5, "SIGSEGV"),
+                                                           ("n3", 1, "OOM")]
+    assert parse.srun_task_ends("") == [] and first_death([]) is None
+
+
+def verdict(**over):
+    kw = dict(exit_code=143, ends=ends("sigkill"), stopping=False, job_state="RUNNING", hang=False, lost=[],
+              restarts=0, max_restarts=2)
+    kw.update(over)
+    return decide(**kw)
+
+
+def test_a_rank_killed_by_a_signal_is_restarted_within_the_budget_then_requeued():
+    v = verdict()
+    assert v.action == "restart" and v.death.task == 1 and "restart 1 of 2" in v.reason
+    assert verdict(restarts=1).action == "restart"
+    spent = verdict(restarts=2)
+    assert spent.action == "requeue" and "train.max_restarts = 2" in spent.reason
+    assert verdict(max_restarts=0).action == "requeue"
+    assert verdict(ends=ends("segv")).action == "restart"
+
+
+def test_a_lost_node_requeues_at_once():
+    v = verdict(lost=[{"node": "n1", "state": "DOWN", "reason": "x", "restart_count": 0}])
+    assert v.action == "requeue" and "n1 (DOWN)" in v.reason
+
+
+@pytest.mark.parametrize("over, why", [
+    ({"exit_code": 0}, "ended 0"),                           # done or drained
+    ({"ends": ends("exit3")}, "exit code decides"),          # an exception's exit, NO_PROGRESS: a human looks
+    ({"stopping": True}, "SLURM is ending"),                 # requeue, preemption, cancel: SIGTERM to us
+    ({"job_state": "COMPLETING"}, "SLURM is ending"),
+    ({"hang": True}, "hang"),                                # the node agent killed wedged ranks
+    ({"ends": [parse.TaskEnd("n1", 0, "Terminated", "SIGTERM", False)]}, "exit code decides"),
+    ({"ends": []}, "srun exit code 143"),
+])
+def test_what_is_left_to_the_jobs_own_contract(over, why):
+    v = verdict(**over)
+    assert v.action == "leave" and why in v.reason, v.reason
