@@ -508,7 +508,7 @@ def test_sigkill_of_a_trainer_rank_restarts_it_in_the_allocation_with_the_engine
     trainers = su.placements(sub.run_dir, "train", 0)
     assert len(trainers) == 4 and {p["node"] for p in trainers} == {rank0["node"]}  # new ranks, same node
     # The engines were kept: one engine process served the whole run, synced and verified to the resumed version.
-    assert [p["pid"] for p in su.placements(sub.run_dir, "rollout")] == [su.placements(sub.run_dir, "rollout")[0]["pid"]]
+    assert len(su.placements(sub.run_dir, "rollout")) == 1
     engine_after = json.loads((sub.run_dir / "endpoints" / "engine-0.json").read_text())
     assert (engine_after["pid"], engine_after["url"]) == (engine_before["pid"], engine_before["url"])
     assert not su.events(sub.run_dir, "engine_died") and not su.events(sub.run_dir, "engine_restarted")
