@@ -496,6 +496,7 @@ def test_sigkill_of_a_trainer_rank_restarts_it_in_the_allocation_with_the_engine
     def ended() -> bool:  # the old code fails the job here: no need to wait out the timeout
         return bool(su.events(sub.run_dir, "done")) or su.state(sub.job_id) in ("FAILED", "COMPLETED", "CANCELLED")
     su.wait_for(f"job {sub.job_id} to end", ended, JOB_TIMEOUT_S, poll_s=0.25)
+    assert su.events(sub.run_dir, "done"), f"job {sub.job_id} ended {su.state(sub.job_id)} without finishing"
     (restarted,) = su.events(sub.run_dir, "trainer_restarted")
     assert (restarted["dead_rank"], restarted["node"], restarted["signal"], restarted["trainer_restart"],
             restarted["restart_count"]) == (0, rank0["node"], "SIGKILL", 1, 0), restarted

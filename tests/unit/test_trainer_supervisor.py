@@ -74,3 +74,35 @@ def test_a_lost_node_requeues_at_once():
 def test_what_is_left_to_the_jobs_own_contract(over, why):
     v = verdict(**over)
     assert v.action == "leave" and why in v.reason, v.reason
+
+
+def test_the_rendered_script_runs_the_trainer_step_under_the_supervisor():
+    """The batch shell execs the supervisor, which runs submitit's srun with --kill-on-bad-exit=1."""
+    from rlslurm.slurm.hetjob import Component, ScriptRenderer, submission_script
+
+    ex = ScriptRenderer("/runs/x/logs/submitit", components=[Component(partition="rollout")], python="/venv/python")
+    ex.update_parameters(partition="train", nodes=1, ntasks_per_node=2, time=5)
+    lines = submission_script(ex).splitlines()
+    assert lines[-2] == "exec /venv/python -u -m rlslurm.slurm.supervisor -- \\"
+    assert lines[-1].startswith("srun ") and "--het-group=0 --kill-on-bad-exit=1 /venv/python" in lines[-1]
+
+
+def test_keep_off_records_the_node_and_slurms_refusal(tmp_path, monkeypatch):
+    """excluded_nodes.json holds the node even where SLURM refuses ExcNodeList (a running job: measured)."""
+    import json
+
+    from rlslurm.errors import SlurmCommandError
+    from rlslurm.rundir import RunDir
+    from rlslurm.slurm import commands, rejoin
+
+    def refuse(*args, **kw):
+        err = SlurmCommandError("`scontrol update` exited 1")
+        err.stderr = "Job is no longer pending execution for job 7\n"
+        raise err
+    monkeypatch.setattr(commands, "scontrol", refuse)
+    run = RunDir(tmp_path)
+    node = {"node": "n1", "state": "trainer rank 0 died (Killed)", "reason": "budget spent", "restart_count": 0}
+    assert rejoin.keep_off(run, ["7"], [node]) == ["n1"]
+    (kept,) = json.loads((tmp_path / rejoin.EXCLUDED).read_text())
+    assert kept["node"] == "n1" and kept["refused"] == "Job is no longer pending execution for job 7"
+    assert rejoin.keep_off(run, ["7"], []) == []
