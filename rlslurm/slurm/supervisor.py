@@ -180,6 +180,7 @@ class TrainerSupervisor:
         # shell before (whose default action was to die); the ranks' drain gates read the file.
         from rlslurm.diag.drain_gate import DRAIN_FILE
 
+        log.info("USR1: drain requested (%s)", self.run.control / DRAIN_FILE)
         (self.run.control / DRAIN_FILE).touch()
 
     def job_state(self) -> str | None:
