@@ -212,7 +212,9 @@ def classify(facts: Facts) -> list[Cause]:
         causes.append(Cause("exception", f"Python exception in {e.get('role')}-{e.get('rank')} during phase "
                             f"{e.get('phase')} step {e.get('step')}: {e.get('error')}",
                             [str(e.get("traceback", "")).rstrip()]))
-    elif not alive:
+    elif not alive and not ev.select(now_events, *ev.FINISHED):
+        # A traceback in the logs of a job whose current attempt finished is an earlier attempt's (logs are
+        # appended across starts): a peer's gloo error when a rank was killed and restarted in the allocation.
         hit = _grep(facts.logs, _TRACEBACK)
         if hit:
             causes.append(Cause("exception", f"Python exception ({hit[0]}): {hit[1].group(0).splitlines()[-1]}",

@@ -106,3 +106,24 @@ def test_keep_off_records_the_node_and_slurms_refusal(tmp_path, monkeypatch):
     (kept,) = json.loads((tmp_path / rejoin.EXCLUDED).read_text())
     assert kept["node"] == "n1" and kept["refused"] == "Job is no longer pending execution for job 7"
     assert rejoin.keep_off(run, ["7"], []) == []
+
+
+def test_diag_names_a_finished_run_with_a_rank_restarted_in_the_allocation_finished():
+    """A real run (tests/data/trainer_restart/finished: recorded by tests/data/diag/record.py from the cluster
+    test's run): trainer rank 0 SIGKILLed, srun's `task 0: Killed` and rank 1's gloo traceback in the logs, the
+    ranks restarted in the allocation, the job finished. diag calls it finished, the crash its evidence."""
+    from dataclasses import replace
+
+    from test_diag_recorded import recorded_facts
+
+    from rlslurm import events
+    from rlslurm.diag.summary import classify, render
+
+    facts = recorded_facts(Path(__file__).resolve().parents[1] / "data" / "trainer_restart" / "finished")
+    causes = classify(facts)
+    assert causes[0].kind == "finished", render(causes)
+    assert "trainer rank crash: rank 0 on n1 died (Killed), restarted in the allocation (restart 1 of 2)" in \
+        causes[0].evidence
+    # Without the supervisor's word the same srun line is a crash, not evidence.
+    unexplained = replace(facts, events=[e for e in facts.events if not events.TRAINER_RESTARTED.matches(e)])
+    assert classify(unexplained)[0].kind == "rank_crash"
