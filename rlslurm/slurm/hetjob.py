@@ -17,7 +17,9 @@ Submit (from the login node)::
     # additional_parameters={"signal": "B:USR1@60"} (then submitit's own USR2 handler never fires).
     # mem is a string here ("64GB"); Component(mem_gb=...) converts for components 1 and 2.
 
-`fn` runs in every task of component 0 (one `srun --het-group=0`). Inside it::
+`fn` runs in every task of component 0 (one `srun --het-group=0 --kill-on-bad-exit=1`, which the script runs
+under the trainer supervisor, rlslurm/slurm/supervisor.py: it starts rlslurm's further components and runs the
+step again when a rank dies). Inside it::
 
     ctx = hetjob.context()           # HetContext: this task's group, rank, world, node, restart_count,
                                      # leader_job_id and components[i] (job_id, partition, nodes, ntasks)
