@@ -18,6 +18,7 @@ demo: install
 
 # ruff (the dev extra; config in pyproject.toml) first: a lint error fails the run before the suite starts.
 # tests/cluster starts a real local Slurm (root, Debian packages); one that cannot start is an error.
+# Two xdist workers: the cluster tier on one, every other file beside it (tests/conftest.py schedules, and says why).
 test: install install-vllm
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -ra --durations=30 -p no:cacheprovider tests
+	$(PY) -m pytest -ra --durations=30 -p no:cacheprovider -n 2 --no-loadscope-reorder tests

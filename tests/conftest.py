@@ -16,11 +16,35 @@ except ImportError:  # pragma: no cover
     torch = None
 
 
+# `make test` runs the suite on two pytest-xdist workers, scheduled by scope (below). The cluster tier is one
+# scope, so one worker runs it in order against its one local Slurm: its tests wait on SLURM (requeues,
+# KillWait, SlurmdTimeout) more than they compute, and the other worker fills those waits with the rest.
+# Every other file is a scope of its own, so a module's shared server (vLLM, the reward service) starts
+# once. The tests that scan every process of the machine for the sandbox's uids run in the cluster's scope:
+# a sandboxed program of a test running beside them would be what they find.
+SERIAL = ("tests/cluster/", "tests/integration/test_reward_sandbox.py", "tests/integration/test_sandbox_escapes.py",
+          "tests/unit/test_reward_scorers.py")
+
+
 def pytest_collection_modifyitems(config, items):
     has_gpu = bool(torch is not None and torch.cuda.is_available())
     for item in items:
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's scope scheduler with the scopes above. Not `--dist loadgroup`: its xdist_group marks work by
+    renaming each test's nodeid, which pytest 9 no longer lets a plugin do (the marks were silently ignored)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Scopes(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::")[0]
+            return "serial" if path.startswith(SERIAL) else path
+
+    return Scopes(config, log)
 
 
 # A skipped cluster test proves nothing, so a run that skipped one fails (issue: "make .ci/run fail if

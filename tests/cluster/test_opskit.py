@@ -233,8 +233,10 @@ def test_sigstopped_rank_is_caught_within_timeout_dumped_requeued_and_resumed(sl
     assert hang["stuck"] == ["train-1"] and hang["waiting"] == ["train-0"], hang
     assert hang["collective"] == "all_reduce"
     assert "process stopped (state T)" in hang["message"], hang["message"]
-    # Its phase as its last heartbeat write had it (the flusher stopped with it, up to 0.5 s earlier).
-    assert re.search(r"train-1 (in the (data|train) phase|between phases after) step \d+", hang["message"])
+    # Its phase as its last heartbeat write had it: the flusher stopped with it, and under load it lags
+    # a step or two (CI saw "in the checkpoint phase step 4" with train-0 past step 6).
+    assert re.search(r"train-1 (in the (data|train|checkpoint) phase|between phases after) step \d+",
+                     hang["message"]), hang["message"]
     (stuck,) = [r for r in hang["ranks"] if r["rank"] == "train-1"]
     assert stuck["state"] == "stopped" and stuck["pid"] == hb["pid"]
     stacks = _stacks(hang)
