@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Callable, Literal, Sequence
 
 from rlslurm import events, lifecycle
-from rlslurm.errors import RlslurmError, SlurmCommandError
+from rlslurm.errors import SlurmCommandError
 from rlslurm.rundir import ENV_VAR, RunDir
 from rlslurm.slurm import commands, parse
 
@@ -263,7 +263,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s supervisor %(name)s: %(message)s")
     if ENV_VAR not in os.environ:
-        raise RlslurmError(f"{ENV_VAR} is not set: the sbatch script exports the run directory before this line")
+        # HetSlurmExecutor runs any function, not only rlslurm's jobs: without a run directory there is no
+        # config, no budget and nothing to start beside it, so the step runs once, as the bare srun did.
+        log.info("%s is not set: running the step once, unsupervised", ENV_VAR)
+        return SrunStep(args, dict(os.environ)).wait()[0]
     run = RunDir(Path(os.environ[ENV_VAR]))
     os.environ["RLSLURM_ROLE"] = "supervisor"
     from rlslurm.config import load_config

@@ -127,3 +127,13 @@ def test_diag_names_a_finished_run_with_a_rank_restarted_in_the_allocation_finis
     # Without the supervisor's word the same srun line is a crash, not evidence.
     unexplained = replace(facts, events=[e for e in facts.events if not events.TRAINER_RESTARTED.matches(e)])
     assert classify(unexplained)[0].kind == "rank_crash"
+
+
+def test_without_a_run_directory_the_step_runs_once_with_its_exit_code(monkeypatch):
+    """HetSlurmExecutor runs any function: the supervisor then only runs the step (here a real process)."""
+    from rlslurm.rundir import ENV_VAR
+    from rlslurm.slurm.supervisor import main
+
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    assert main(["--", "sh", "-c", "exit 3"]) == 3
+    assert main(["--", "true"]) == 0
