@@ -91,13 +91,15 @@ def keep_off(run: RunDir, job_ids: Sequence[str], nodes: Sequence[dict]) -> list
     if not nodes:
         return []
     names = ",".join(x["node"] for x in nodes)
-    refused = None
+    refused, accepted = None, False
     for job_id in job_ids:
         try:  # a component SLURM refuses to update (already ended) is requeued anyway: still worth it
             commands.scontrol("update", f"JobId={job_id}", f"ExcNodeList={names}")
+            accepted = True
         except SlurmCommandError as e:
             log.warning("could not exclude %s from component %s: %s", names, job_id, e)
             refused = (getattr(e, "stderr", "") or str(e)).strip()
+    refused = None if accepted else refused  # one component that takes it keeps the requeued job off them
     path = run.path / EXCLUDED
     before = json.loads(path.read_text()) if path.is_file() else []
     now = [{**x, "t": time.time(), **({"refused": refused} if refused else {})} for x in nodes]
