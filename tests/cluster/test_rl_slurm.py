@@ -4,7 +4,8 @@ plain job with the engine colocated on the trainer's node, synced by ipc; as a 3
 the reward service on the `cpu` node; and stopped mid-run every way the spine knows (USR1, `rlslurm
 drain <jobid>`, `scontrol requeue`, preemption by the `urgent` partition, SIGKILL of rank 0 while it
 writes a checkpoint, a real 1-minute time limit with its USR1): every role drains or dies, the job
-resumes from the right checkpoint, and its reward/loss trajectory equals the uninterrupted run's.
+resumes from the right checkpoint, and its reward/loss trajectory equals the uninterrupted run's. A SIGKILL of
+a trainer rank is restarted inside the allocation instead (rlslurm/slurm/supervisor.py), the engine kept.
 Prints MEASURE lines (-s shows them); ~7 min on 2 shared cores.
 
     RLSLURM_SLURM_PORT_BASE=21817 python -m pytest -q -s tests/cluster/test_rl_slurm.py
