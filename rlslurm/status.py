@@ -174,10 +174,9 @@ def render(status: Status) -> str:
                      f"{last.get('max_restarts')} (last: rank {last.get('dead_rank')} on {last.get('node')}, "
                      f"{last.get('cause')})")
     for x in status.excluded:
-        what = (f"SLURM refused to exclude it: {x['refused']}" if x.get("refused")
-                else "SLURM was asked to exclude it")
-        lines.append(f"{'failed' if x.get('refused') else 'kept off'} node {x.get('node')}: lost at restart "
-                     f"{x.get('restart_count')} ({x.get('state')}: {x.get('reason')}); {what}")
+        lines.append(f"kept off node {x.get('node')}: lost at restart {x.get('restart_count')} ({x.get('state')}: "
+                     f"{x.get('reason')}); SLURM was asked to exclude it"
+                     + (f" and refused: {x['refused']}" if x.get("refused") else ""))
     if status.ops:
         lines.append("ops kit:")
         lines += [f"  {line}" for line in status.ops]
