@@ -17,7 +17,8 @@ calls), engine_died / engine_unhealthy / engine_down (an engine's supervisor, rl
 an engine crash or hang), reward_service_down (rlslurm/reward/supervisor.py), checkpoint_failed /
 checkpoint_skipped (rlslurm/checkpoint.py: a save that failed, a damaged checkpoint a start skipped),
 heartbeat_unwritable / heartbeat_restored (diag/heartbeat.py) and node_agent_died (diag/agent.py): the ops
-kit's own failures, done / sft_finished, start / resume. SLURM's
+kit's own failures, trainer_restarted / trainer_restarts_spent (rlslurm/slurm/supervisor.py: a rank crash the
+job restarted in the allocation is evidence, not the cause), done / sft_finished, start / resume. SLURM's
 state and the log tails cover what no process lives to say (OOM kill, node failure, time limit,
 preemption). tests/data/diag/ holds a recorded run of each cause (tests/unit/test_diag_recorded.py).
 """
@@ -204,7 +205,7 @@ def classify(facts: Facts) -> list[Cause]:
         causes.append(Cause("time_limit", "time limit reached (SLURM TIMEOUT)"))
     if state == "PREEMPTED" or _grep(facts.logs, re.compile(r"DUE TO PREEMPTION")):
         causes.append(Cause("preempted", "preempted by SLURM"))
-    srun = _grep(facts.logs, _SRUN_TASK_DIED)
+    srun = _unexplained_srun_death(facts)
     if srun and not crashed and not {"node_failure", "time_limit", "preempted"} & {c.kind for c in causes}:
         # SLURM kills every task at a time limit, preemption or node failure too: only a death of its own counts.
         name, m = srun
@@ -216,7 +217,9 @@ def classify(facts: Facts) -> list[Cause]:
         causes.append(Cause("exception", f"Python exception in {e.get('role')}-{e.get('rank')} during phase "
                             f"{e.get('phase')} step {e.get('step')}: {e.get('error')}",
                             [str(e.get("traceback", "")).rstrip()]))
-    elif not alive:
+    elif not alive and not ev.select(now_events, *ev.FINISHED):
+        # A traceback in the logs of a job whose current attempt finished is an earlier attempt's (logs are
+        # appended across starts): a peer's gloo error when a rank was killed and restarted in the allocation.
         hit = _grep(facts.logs, _TRACEBACK)
         if hit:
             causes.append(Cause("exception", f"Python exception ({hit[0]}): {hit[1].group(0).splitlines()[-1]}",
@@ -240,6 +243,12 @@ def classify(facts: Facts) -> list[Cause]:
     for e in ev.select(now_events, ev.ENGINE_DIED, ev.ENGINE_UNHEALTHY):
         if causes[0].kind not in ("engine_crash", "engine_hang"):  # replaced in the allocation: the job went on
             causes[0].evidence.append(f"engine {e.get('engine')} {_verdict(e)}; replaced by its supervisor")
+    for e in ev.select(facts.events, ev.TRAINER_RESTARTED, ev.TRAINER_RESTARTS_SPENT):
+        what = (f"restarted in the allocation (restart {e.get('trainer_restart')} of {e.get('max_restarts')})"
+                if ev.TRAINER_RESTARTED.matches(e)
+                else f"not restarted: {e.get('reason')}; requeue: {e.get('requeue')}")
+        causes[0].evidence.append(f"trainer rank crash: rank {e.get('dead_rank')} on {e.get('node')} died "
+                                  f"({e.get('cause')}), {what}")
     for e in ev.select(earlier, ev.HANG_DETECTED, ev.PHASE_FAILED, ev.ENGINE_FAILED, ev.SYNC_VERIFY_FAILED,
                        ev.REWARD_SERVICE_DOWN, ev.DRAINED):
         causes[0].evidence.append(f"earlier attempt: {e.get('kind')} {_said(e)}".rstrip())
@@ -306,6 +315,21 @@ def ops_causes(now_events: list[dict]) -> list[Cause]:
 
 
 _SRUN_TASK_DIED = re.compile(r"srun: error: (\S+): tasks? ([\d,-]+): (Killed|Segmentation fault|Bus error|Aborted)")
+
+
+def _unexplained_srun_death(facts: Facts):
+    """The first `task N: Killed`-like line of srun in the logs that no trainer supervisor event accounts for
+    (rlslurm/slurm/supervisor.py names each rank death it restarted, or requeued for, by node and rank): a
+    rank that was restarted in the allocation is the evidence of a job that went on, not its cause."""
+    said = [(e.get("node"), str(e.get("dead_rank")))
+            for e in ev.select(facts.events, ev.TRAINER_RESTARTED, ev.TRAINER_RESTARTS_SPENT)]
+    for name, text in sorted(facts.logs.items()):
+        for m in _SRUN_TASK_DIED.finditer(text):
+            if (m.group(1), m.group(2)) in said:
+                said.remove((m.group(1), m.group(2)))  # one event accounts for one report
+                continue
+            return name, m
+    return None
 
 
 def rank_crashes(facts: Facts, now_events: list[dict], alive: list[dict]) -> Cause | None:

@@ -1,7 +1,8 @@
 """The one entry of every job process: picks the role from where the task runs, then the entrance.
 
     submitit pickles `run_component(run_dir)`: it runs in every task of het component 0 (SLURM) or in
-    every local task. Other components are started by component 0's rank 0:
+    every local task. Other components are started by the trainer supervisor of the batch shell
+    (rlslurm/slurm/supervisor.py), which also restarts these tasks when one dies:
     python -m rlslurm.jobs.entry --run-dir D --role rollout|reward
 
 Roles: `train` (trainer ranks; rank 0 is also the controller), `rollout` (engines), `reward` (the
@@ -23,8 +24,7 @@ from pathlib import Path
 
 import click
 
-from rlslurm import events
-from rlslurm.config import JobConfig, load_config
+from rlslurm.config import load_config
 from rlslurm.errors import RlslurmError
 from rlslurm.layout import JobLayout
 from rlslurm.lifecycle import ExitCode, leader_job_id, needs_requeue, requeue_job
@@ -49,33 +49,6 @@ def _record_placement(run: RunDir, role: str, local_rank: int) -> None:
         "restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0")), "pid": os.getpid(),
         **seen(JobLayout.read(run), role, local_rank),
     })
-
-
-def _start_components(run: RunDir, job: JobConfig) -> list:
-    """On SLURM, rank 0 of component 0 starts every further component with one srun per group, each with
-    the job's network environment and the GPUs its layout gives it (rlslurm/devices.py)."""
-    from rlslurm.devices import component_step
-    from rlslurm.network import network_env
-    from rlslurm.slurm import hetjob
-
-    ctx = hetjob.context()
-    lay = JobLayout.read(run)
-    steps = []
-    for comp in ctx.components[1:]:
-        role = ROLES[comp.group]
-        argv = [sys.executable, "-m", "rlslurm.jobs.entry", "--run-dir", str(run.path), "--role", role]
-        out = run.logs / f"{role}-%j-%t.log"
-        srun_args, gpu_env = component_step(lay, comp.group)
-        steps.append(hetjob.launch_component(comp.group, argv, output=str(out), env={**network_env(job.network),
-                                                                                    **gpu_env},
-                                             srun_args=["--open-mode=append", *srun_args]))
-        events.emit(run, events.COMPONENT_STARTED, component=comp.group, component_role=role, partition=comp.partition,
-                    nodes=list(comp.nodes), job_kind=job.job.kind, srun_args=srun_args)
-    if steps:  # a lost node must requeue every component, not only its own (rlslurm/slurm/rejoin.py)
-        from rlslurm.slurm import rejoin
-
-        rejoin.arm(run, ctx.leader_job_id, [c.job_id for c in ctx.components])
-    return steps
 
 
 def node_agent_log(run: RunDir, role: str) -> Path:
@@ -181,21 +154,14 @@ def run_component(run_dir: str) -> int:
 
         name_lost_nodes(run, restart_count())  # SLURM requeued us off a lost node: say which
     agent = keep_node_agent(run, "train") if topo.local_rank == 0 else None
-    steps = []
-    if topo.is_main and "SLURM_HET_SIZE" in os.environ:
-        steps = _start_components(run, load_config(run.config))
+    # The other components (engines, reward) are not started here: on SLURM the trainer supervisor of the batch
+    # shell started them once and keeps them across a restart of these ranks (rlslurm/slurm/supervisor.py).
     code = None
     try:
         code = _train_role(run)
         # Trained or drained: a late USR1 has nothing left to stop, and a drain file now would stop the next start.
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     finally:
-        # Drained on SLURM, the job is being requeued (by us, or by SLURM itself after its SIGTERM): SLURM
-        # stops every component, SIGTERM then SIGKILL after KillWait. Stopping them here too only kept
-        # this rank past KillWait, and SLURM killed it in the middle of its exit.
-        if not (code == ExitCode.DRAINED and leader_job_id()):
-            for step in steps:
-                step.stop(timeout_s=30)
         if agent is not None:
             agent.stop()
     if needs_requeue(code) and topo.is_main and leader_job_id():

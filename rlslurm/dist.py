@@ -58,7 +58,9 @@ def _port_for_job(e) -> int | None:
     job = e.get("RLSLURM_LEADER_JOB_ID") or e.get("SLURM_JOB_ID")
     if not job or not job.isdigit():
         return None
-    return 15000 + (int(job) * 8 + int(e.get("SLURM_RESTART_COUNT", "0"))) % 30000
+    # A trainer restart inside the allocation (rlslurm/slurm/supervisor.py) is a start too: a port of its own.
+    restart = int(e.get("SLURM_RESTART_COUNT", "0")) + 7919 * int(e.get("RLSLURM_TRAINER_RESTART") or 0)
+    return 15000 + (int(job) * 8 + restart) % 30000
 
 
 def free_port() -> int:

@@ -78,13 +78,26 @@ CONFIG_CHANGED = declare("config_changed", "rlslurm resume --set changed the sto
 PREFLIGHT_FORCED = declare("preflight_forced", "submitted with --force past the plan's pre-flight problems",
                            by="rlslurm/launch.py", required=("problems",))
 COMPONENT_STARTED = declare("component_started", "a het-job component's first task started on its nodes",
-                            by="jobs/entry.py",
+                            by="rlslurm/slurm/supervisor.py",
                             required=("component", "component_role", "partition", "nodes", "job_kind"),
                             optional=("srun_args",), informational=True)
 START = declare("start", "a start of the job with no checkpoint to resume: training begins at `step`",
-                by="rlslurm/lifecycle.py", required=("step", "restart_count"))
+                by="rlslurm/lifecycle.py", required=("step", "restart_count"), optional=("trainer_restart",))
 RESUME = declare("resume", "a start of the job that resumed from the newest complete checkpoint",
-                 by="rlslurm/lifecycle.py", required=("step", "checkpoint", "restart_count"))
+                 by="rlslurm/lifecycle.py", required=("step", "checkpoint", "restart_count"),
+                 optional=("trainer_restart",))
+TRAINER_RESTARTED = declare("trainer_restarted", "a trainer rank died by a signal (SIGKILL, segfault, OOM kill): "
+                            "the trainer ranks start again as a new job step on the same nodes, from the newest "
+                            "complete checkpoint, the engines kept (train.max_restarts)",
+                            by="rlslurm/slurm/supervisor.py",
+                            required=("dead_rank", "node", "cause", "signal", "trainer_restart", "max_restarts",
+                                      "restart_count", "srun_exit_code"), optional=("step_s",))
+TRAINER_RESTARTS_SPENT = declare("trainer_restarts_spent", "a trainer rank died by a signal and the allocation "
+                                 "cannot take another trainer restart (train.max_restarts spent, or a node of "
+                                 "component 0 lost): the job is requeued, its failed node recorded to be avoided",
+                                 by="rlslurm/slurm/supervisor.py",
+                                 required=("dead_rank", "node", "cause", "signal", "reason", "restarts",
+                                           "max_restarts", "restart_count", "requeue"), optional=("excluded",))
 NO_PROGRESS = declare("no_progress", "starts in a row resumed from one step: the job stops requeueing (exit 77)",
                       by="rlslurm/lifecycle.py",
                       required=("step", "checkpoint", "restart_count", "fruitless_starts", "reason"))

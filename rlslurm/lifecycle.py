@@ -95,14 +95,23 @@ def on_start(run: RunDir, restart_count: int, *, step: int, checkpoint: str | No
              max_no_progress_restarts: int, env: Mapping[str, str] | None = None) -> StartDecision:
     """Record this start; emit `resume` / `start`, or `no_progress` and tell the caller to stop."""
     e = os.environ if env is None else env
-    previous = read_jsonl(run.jobs)
+    trainer_restart = int(e.get("RLSLURM_TRAINER_RESTART") or 0)
+    # The storm guard counts starts across requeues only: a restart of the trainer ranks inside the allocation
+    # (rlslurm/slurm/supervisor.py) has its own budget, train.max_restarts, and counting it here too would end
+    # the job NO_PROGRESS before that budget is spent and the failed node avoided. Bounded either way: at most
+    # (train.max_restarts + 1) x checkpoint.max_no_progress_restarts starts without progress.
+    previous = [r for r in read_jsonl(run.jobs) if not r.get("trainer_restart")]
     fruitless = 0
     for record in reversed(previous):
         if record.get("step") != step:
             break
         fruitless += 1
     run.record_start(job_id=leader_job_id(e), restart_count=restart_count, host=node_name(),
-                     pid=os.getpid(), step=step, checkpoint=checkpoint)
+                     pid=os.getpid(), step=step, checkpoint=checkpoint,
+                     **({"trainer_restart": trainer_restart} if trainer_restart else {}))
+    extra = {"trainer_restart": trainer_restart} if trainer_restart else {}
+    if trainer_restart:
+        fruitless = 0  # this allocation's first start passed the guard; train.max_restarts bounds the rest
     if fruitless >= max_no_progress_restarts:
         events.emit(run, events.NO_PROGRESS, step=step, checkpoint=checkpoint, restart_count=restart_count,
                     fruitless_starts=fruitless,
@@ -111,9 +120,9 @@ def on_start(run: RunDir, restart_count: int, *, step: int, checkpoint: str | No
                            f"{max_no_progress_restarts}: not requeueing again")
         return StartDecision(False, fruitless, ExitCode.NO_PROGRESS)
     if checkpoint is None:
-        events.emit(run, events.START, step=step, restart_count=restart_count)
+        events.emit(run, events.START, step=step, restart_count=restart_count, **extra)
     else:
-        events.emit(run, events.RESUME, step=step, checkpoint=checkpoint, restart_count=restart_count)
+        events.emit(run, events.RESUME, step=step, checkpoint=checkpoint, restart_count=restart_count, **extra)
     return StartDecision(True, fruitless)
 
 

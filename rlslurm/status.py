@@ -17,7 +17,7 @@ from pathlib import Path
 import yaml
 
 from rlslurm.errors import SlurmCommandError, SlurmParseError
-from rlslurm.events import BASE_FIELDS
+from rlslurm.events import BASE_FIELDS, TRAINER_RESTARTED
 from rlslurm.progress import Progress
 from rlslurm.rundir import RunDir, find_run, read_jsonl, submitted_backend
 
@@ -40,6 +40,8 @@ class Status:
     """What is wrong with the ops kit itself this attempt: heartbeats that cannot be written, node agents that died."""
     excluded: list[dict] = field(default_factory=list)
     """Nodes a lost-node requeue asked SLURM to keep the job off (<run>/excluded_nodes.json, slurm/rejoin.py)."""
+    trainer_restarts: list[dict] = field(default_factory=list)
+    """This allocation's `trainer_restarted` events: trainer ranks restarted in place (rlslurm/slurm/supervisor.py)."""
 
 
 def slurm_components(job_id: str) -> list[dict]:
@@ -108,6 +110,8 @@ def collect(target: str, run_root: str | Path | None = None) -> Status:
     all_events = read_events(run)
     status.last_events = all_events[-8:]
     status.ops = ops_problems(all_events)
+    status.trainer_restarts = [e for e in all_events if TRAINER_RESTARTED.matches(e)
+                               and e.get("restart_count") == status.restarts]
     status.progress = Progress(run, total_steps=_total_steps(run)).poll()
     from rlslurm.slurm.rejoin import EXCLUDED
 
@@ -164,9 +168,15 @@ def render(status: Status) -> str:
     if status.progress:
         lines.append(f"progress: {status.progress}")
     lines.append(f"last complete checkpoint: {status.checkpoint or 'none'}")
+    if status.trainer_restarts:
+        last = status.trainer_restarts[-1]
+        lines.append(f"trainer restarted in this allocation: {len(status.trainer_restarts)} of "
+                     f"{last.get('max_restarts')} (last: rank {last.get('dead_rank')} on {last.get('node')}, "
+                     f"{last.get('cause')})")
     for x in status.excluded:
         lines.append(f"kept off node {x.get('node')}: lost at restart {x.get('restart_count')} ({x.get('state')}: "
-                     f"{x.get('reason')}); SLURM was asked to exclude it")
+                     f"{x.get('reason')}); SLURM was asked to exclude it"
+                     + (f" and refused: {x['refused']}" if x.get("refused") else ""))
     if status.ops:
         lines.append("ops kit:")
         lines += [f"  {line}" for line in status.ops]

@@ -39,6 +39,11 @@ class TrainConfig:
     step_delay_s: float = 0.0
     """Idle seconds per step standing in for compute (toy, sft and rl jobs), so spine tests can signal mid-run.
     Range [0, 3600]."""
+    max_restarts: int = 2
+    """Restarts of the trainer ranks inside one SLURM allocation after a rank dies by a signal (SIGKILL,
+    segfault, OOM kill): a new job step on the same nodes, resumed from the newest complete checkpoint, the
+    engines kept (rlslurm/slurm/supervisor.py). Past it, or with a node lost, the job is requeued. 0 = never
+    restart inside the allocation. Range [0, 100]."""
 
     def __post_init__(self):
         check_range(self.steps, "steps", 1, 10**8)
@@ -53,3 +58,4 @@ class TrainConfig:
         check_range(self.weight_decay, "weight_decay", 0, 10)
         check_range(self.dist_timeout_s, "dist_timeout_s", 0, 86_400, low_open=True, note="seconds")
         check_range(self.step_delay_s, "step_delay_s", 0, 3600, note="seconds")
+        check_range(self.max_restarts, "max_restarts", 0, 100)

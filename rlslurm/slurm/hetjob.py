@@ -17,7 +17,9 @@ Submit (from the login node)::
     # additional_parameters={"signal": "B:USR1@60"} (then submitit's own USR2 handler never fires).
     # mem is a string here ("64GB"); Component(mem_gb=...) converts for components 1 and 2.
 
-`fn` runs in every task of component 0 (one `srun --het-group=0`). Inside it::
+`fn` runs in every task of component 0 (one `srun --het-group=0 --kill-on-bad-exit=1`, which the script runs
+under the trainer supervisor, rlslurm/slurm/supervisor.py: it starts rlslurm's further components and runs the
+step again when a rank dies). Inside it::
 
     ctx = hetjob.context()           # HetContext: this task's group, rank, world, node, restart_count,
                                      # leader_job_id and components[i] (job_id, partition, nodes, ntasks)
@@ -61,6 +63,8 @@ from rlslurm.slurm import commands, parse
 log = logging.getLogger("rlslurm.slurm.hetjob")
 
 GROUP_ENV = "RLSLURM_HET_GROUP"
+SUPERVISOR = "rlslurm.slurm.supervisor"
+"""The module the batch shell runs the trainer step under (rlslurm/slurm/supervisor.py)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -185,10 +189,17 @@ class HetSlurmExecutor(submitit_slurm.SlurmExecutor):
         params = dict(self.parameters)
         # Without --het-group=0 a bare srun would start the pickled function in component 0 anyway, but
         # saying so keeps it there if SLURM's default ever changes, and reads right in the script.
-        if self.components:
-            params["srun_args"] = ["--het-group=0", *(params.get("srun_args") or [])]
+        # --kill-on-bad-exit=1: one dead trainer rank ends the step at once (its peers would wait in a gloo
+        # collective for train.dist_timeout_s), and the trainer supervisor restarts it (rlslurm/slurm/supervisor.py).
+        params["srun_args"] = [*(["--het-group=0"] if self.components else []), "--kill-on-bad-exit=1",
+                               *(params.get("srun_args") or [])]
         text = submitit_slurm._make_sbatch_string(command=command, folder=self.folder, **params)
         lines = text.split("\n")
+        # The trainer step runs under the trainer supervisor, which outlives it: it starts the other components
+        # once and restarts dead trainer ranks inside the allocation. `exec`: SLURM's SIGTERM reaches it.
+        srun = max(i for i, ln in enumerate(lines) if ln.startswith("srun "))
+        python = shlex.split(command)[0]
+        lines[srun:srun] = [f"exec {shlex.quote(python)} -u -m {SUPERVISOR} -- \\"]
         last = max(i for i, ln in enumerate(lines) if ln.startswith("#SBATCH"))
         extra: list[str] = []
         for i, comp in enumerate(self.components, start=1):

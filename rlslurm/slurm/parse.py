@@ -12,6 +12,7 @@
     accounting_disabled(sacct_stderr)       -> True where sacct has no database (then `sacct -c`)
     job_unknown(stderr)                     -> True for "Invalid job id specified" (slurmctld answered)
     already_pending(stderr)                 -> True for a requeue of a job that another party requeued first
+    srun_task_ends(srun_stderr)             -> [TaskEnd(node="n1", task=1, how="Killed", signal="SIGKILL"), ...]
 
 Anything these do not understand raises `SlurmParseError` quoting the input, never a guess. Tests:
 tests/unit/test_slurm_parse.py (tables of real outputs from the local cluster and SLURM's docs).
@@ -237,3 +238,51 @@ def sinfo_node_states(text: str) -> dict[str, str]:
             raise SlurmParseError(f"sinfo line is not NODE|STATE: {ln!r}")
         states[name] = state.rstrip(_NODE_STATE_FLAGS)
     return states
+
+
+_SRUN_TASK = re.compile(r"^srun: error: (?P<node>\S+): tasks? (?P<tasks>[\d,\-]+): (?P<how>.+?)\s*$")
+_SRUN_STEP_SIGNAL = re.compile(r"_step_signal: Terminating StepId=|Force Terminated StepId=")
+_SRUN_SIGNALS = {"Killed": "SIGKILL", "Segmentation fault": "SIGSEGV", "Aborted": "SIGABRT", "Bus error": "SIGBUS",
+                 "Terminated": "SIGTERM", "Illegal instruction": "SIGILL", "Floating point exception": "SIGFPE",
+                 "Out Of Memory": "OOM"}
+"""How srun names a task's end by a signal (strsignal's words; "Out Of Memory" where the OOM killer struck)."""
+
+
+@dataclass(frozen=True)
+class TaskEnd:
+    """One task's abnormal end as srun reported it on its stderr."""
+
+    node: str
+    task: int
+    how: str
+    """srun's words: `Killed`, `Segmentation fault`, `Exited with exit code 3`, ..."""
+    signal: str | None
+    """SIGKILL, SIGSEGV, ... (OOM for the OOM killer); None for an exit with a code."""
+    after_step_signal: bool
+    """Reported after srun began terminating the step (--kill-on-bad-exit): a peer it ended, not a cause."""
+
+
+def srun_task_ends(text: str) -> list[TaskEnd]:
+    """Every `srun: error: NODE: task N: HOW` line of srun's stderr, in order. With --kill-on-bad-exit the
+    first task that ended badly is the cause; srun then terminates the step (`_step_signal: Terminating
+    StepId=...`) and reports its peers `Terminated` (captured: tests/unit/slurm_outputs/srun_*.stderr.txt).
+    Lines that are not srun's task reports are skipped (srun's stderr carries the tasks' own stderr too)."""
+    ends: list[TaskEnd] = []
+    signalled = False
+    for line in text.splitlines():
+        if _SRUN_STEP_SIGNAL.search(line):
+            signalled = True
+            continue
+        m = _SRUN_TASK.match(line.strip())
+        if not m:
+            continue
+        how = m.group("how")
+        if how.endswith(" (core dumped)"):
+            how = how[: -len(" (core dumped)")]
+        sig = _SRUN_SIGNALS.get(how)
+        if sig is None and not how.startswith("Exited with exit code"):
+            sig = how  # a signal srun names in words this table lacks: still a death by signal
+        for task in expand_nodelist(f"t[{m.group('tasks')}]"):
+            ends.append(TaskEnd(node=m.group("node"), task=int(task[1:]), how=how, signal=sig,
+                                after_step_signal=signalled))
+    return ends

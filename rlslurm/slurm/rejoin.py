@@ -83,6 +83,30 @@ def lost_nodes(run: RunDir, show_node=commands.show_node) -> list[dict]:
     return lifecycle.lost_nodes(nodes, last + 1, show_node)
 
 
+def keep_off(run: RunDir, job_ids: Sequence[str], nodes: Sequence[dict]) -> list[str]:
+    """Ask SLURM to keep the job's components `job_ids` off `nodes` ({node, state, reason, restart_count}):
+    `scontrol update ExcNodeList`, and record them in <run>/excluded_nodes.json (`rlslurm status` shows them,
+    with SLURM's refusal where it refused: measured on 22.05, it refuses a running job, "Job is no longer
+    pending execution"). Returns the names asked for."""
+    if not nodes:
+        return []
+    names = ",".join(x["node"] for x in nodes)
+    refused, accepted = None, False
+    for job_id in job_ids:
+        try:  # a component SLURM refuses to update (already ended) is requeued anyway: still worth it
+            commands.scontrol("update", f"JobId={job_id}", f"ExcNodeList={names}")
+            accepted = True
+        except SlurmCommandError as e:
+            log.warning("could not exclude %s from component %s: %s", names, job_id, e)
+            refused = (getattr(e, "stderr", "") or str(e)).strip()
+    refused = None if accepted else refused  # one component that takes it keeps the requeued job off them
+    path = run.path / EXCLUDED
+    before = json.loads(path.read_text()) if path.is_file() else []
+    now = [{**x, "t": time.time(), **({"refused": refused} if refused else {})} for x in nodes]
+    path.write_text(json.dumps(before + now, indent=1))
+    return [x["node"] for x in nodes]
+
+
 def rejoin(leader: str, run: RunDir, fired_by: str | None = None) -> str | None:
     """If the het job is split, keep it off the lost nodes and requeue it whole; what was done, or None."""
     states = commands.show_job(leader)
@@ -90,16 +114,7 @@ def rejoin(leader: str, run: RunDir, fired_by: str | None = None) -> str | None:
         log.info("job %s not split (%s): nothing to do", leader, [s.get("JobState") for s in states])
         return None
     lost = lost_nodes(run)
-    if lost:
-        names = ",".join(x["node"] for x in lost)
-        for s in states:
-            try:  # a component SLURM refuses to update (already ended) is requeued anyway: still worth it
-                commands.scontrol("update", f"JobId={s['JobId']}", f"ExcNodeList={names}")
-            except SlurmCommandError as e:
-                log.warning("could not exclude %s from component %s: %s", names, s.get("JobId"), e)
-        path = run.path / EXCLUDED
-        before = json.loads(path.read_text()) if path.is_file() else []
-        path.write_text(json.dumps(before + [{**x, "t": time.time()} for x in lost], indent=1))
+    keep_off(run, [s["JobId"] for s in states], lost)
     done = commands.requeue(leader)
     events.emit(run, events.COMPONENTS_REQUEUED, role="slurmctld", job_id=leader, fired_by=fired_by,
                 states={s.get("HetJobOffset", "0"): s.get("JobState") for s in states},

@@ -35,13 +35,15 @@ CRED_EXPIRE_S = 5
 
 
 def toy_config(path: Path, run_root: Path, *, step_delay_s: float = 0.2, interval_steps: int = INTERVAL,
-               time_limit_min: int = 5, signal_before_s: int = 30, backend: str = "slurm") -> Path:
+               time_limit_min: int = 5, signal_before_s: int = 30, backend: str = "slurm",
+               max_restarts: int | None = None) -> Path:
     """Write the toy job's YAML: a het job of 1 train node (2 ranks) + 1 rollout node (the stand-in)."""
     data = {
         "job": {"name": path.stem, "kind": "toy"},
         "hardware": {"profile": "cpu", "nodes": 2, "gpus_per_node": 2},
         "placement": {"mode": "separate", "rollout_nodes": 1},
-        "train": {"steps": STEPS, "step_delay_s": step_delay_s},
+        "train": {"steps": STEPS, "step_delay_s": step_delay_s,
+                  **({} if max_restarts is None else {"max_restarts": max_restarts})},
         # cost_s: the default (490 s, the lecture's) is longer than these allocations, so the policy would
         # save after step 1 and shift the grid of periodic checkpoints the tests reason about.
         "checkpoint": {"interval_steps": interval_steps, "kill_wait_s": KILL_WAIT_S, "cost_s": 0.5},

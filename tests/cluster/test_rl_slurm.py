@@ -4,7 +4,8 @@ plain job with the engine colocated on the trainer's node, synced by ipc; as a 3
 the reward service on the `cpu` node; and stopped mid-run every way the spine knows (USR1, `rlslurm
 drain <jobid>`, `scontrol requeue`, preemption by the `urgent` partition, SIGKILL of rank 0 while it
 writes a checkpoint, a real 1-minute time limit with its USR1): every role drains or dies, the job
-resumes from the right checkpoint, and its reward/loss trajectory equals the uninterrupted run's.
+resumes from the right checkpoint, and its reward/loss trajectory equals the uninterrupted run's. A SIGKILL of
+a trainer rank is restarted inside the allocation instead (rlslurm/slurm/supervisor.py), the engine kept.
 Prints MEASURE lines (-s shows them); ~7 min on 2 shared cores.
 
     RLSLURM_SLURM_PORT_BASE=21817 python -m pytest -q -s tests/cluster/test_rl_slurm.py
@@ -74,7 +75,7 @@ def sft_export(tmp_path_factory) -> Path:
 def rl_config(path: Path, run_root: Path, init_from: Path, *, method: str, colocate: bool = False,
               reward_component: bool = False, step_delay_s: float = 0.0, time_limit_min: int = 5,
               signal_before_s: int = 30, max_no_progress_restarts: int = 3, backend: str = "torch",
-              steps: int = STEPS) -> Path:
+              steps: int = STEPS, max_restarts: int | None = None) -> Path:
     """The RL job's YAML: separate = 1 train node (2 ranks) + 1 rollout node (1 engine); colocate = 1 node.
     reward_component: + the reward service as het component 2 on the `cpu` partition (n5); else inline.
     backend megatron: Megatron-core's trainer with fp32 weights (the engine serves fp32)."""
@@ -83,7 +84,7 @@ def rl_config(path: Path, run_root: Path, init_from: Path, *, method: str, coloc
         "hardware": {"profile": "cpu", "nodes": 1 if colocate else 2, "gpus_per_node": 2},
         "placement": {"mode": "colocate"} if colocate else {"mode": "separate", "rollout_nodes": 1},
         "train": {"steps": steps, "lr": 3.0e-4, "seed": 0, "init_from": str(init_from), "step_delay_s": step_delay_s,
-                  "backend": backend},
+                  "backend": backend, **({} if max_restarts is None else {"max_restarts": max_restarts})},
         # Synchronous: trajectory equality across a SLURM stop is asserted (docs/rl-overlap.md on k >= 1).
         "rl": {"prompts_per_step": 16, "samples_per_prompt": 8, "eval_every": 100, "max_staleness": 0},
         "parallel": {"micro_batch_size": 64},  # a rank's 64 samples in one forward, as before micro-batches
@@ -455,8 +456,9 @@ def test_sigkill_of_rank0_mid_checkpoint_resumes_from_the_previous_complete(slur
     # sbatch exports the submitter's environment: rank 0 pauses 3 s after the first file of the step-16
     # save (only that step's), the window in which the test kills the writer.
     monkeypatch.setenv(PAUSE_ENV, f"3@{kill_step}-{kill_step}")
+    # No trainer restart inside the allocation (train.max_restarts 0): this test is the requeue after the kill.
     sub = su.submit(rl_config(tmp_path / "rl-sigkill.yaml", tmp_path / "runs", sft_export, method="disk",
-                              reward_component=True))
+                              reward_component=True, max_restarts=0))
     monkeypatch.delenv(PAUSE_ENV)
     run = RunDir(sub.run_dir)
     _, _, killed_at = su.kill_checkpoint_writer_and_requeue(sub, kill_step, JOB_TIMEOUT_S, slurm_cluster.kick)
@@ -470,6 +472,58 @@ def test_sigkill_of_rank0_mid_checkpoint_resumes_from_the_previous_complete(slur
     assert_rewards_scored(sub.run_dir)
     assert trajectory(sub.run_dir) == trajectory(reference)
     print("\n" + su.measure_line("RL SIGKILL mid-checkpoint + requeue", su.restart_timing(sub.run_dir, killed_at, 1)))
+
+
+def test_sigkill_of_a_trainer_rank_restarts_it_in_the_allocation_with_the_engines_kept(slurm_cluster, sft_export,
+                                                                                       reference, tmp_path):
+    """SIGKILL of trainer rank 0 (the controller) mid-run: the trainer supervisor of the batch shell starts the
+    ranks again as a new job step of the same allocation (no requeue: SLURM's restart count stays 0), they resume
+    from the newest complete checkpoint, the engine that served before serves on (same pid) after a verified
+    sync, and the run ends with the uninterrupted run's trajectory."""
+    import os
+    import signal
+
+    sub = su.submit(rl_config(tmp_path / "rl-trainer-restart.yaml", tmp_path / "runs", sft_export, method="disk",
+                              step_delay_s=0.2))
+    run = RunDir(sub.run_dir)
+    kill_after = 2 * su.INTERVAL + 1  # a checkpoint (step 8) to resume from, and steps since it to redo
+    su.wait_for(f"step {kill_after} of {sub.job_id}", lambda: max((m["step"] for m in steps(sub.run_dir)), default=0)
+                >= kill_after, JOB_TIMEOUT_S, poll_s=0.1)
+    engine_before = json.loads((sub.run_dir / "endpoints" / "engine-0.json").read_text())
+    (rank0,) = [p for p in su.placements(sub.run_dir, "train", 0) if p["rank"] == 0]
+    os.kill(rank0["pid"], signal.SIGKILL)
+    killed_at = time.time()
+
+    def ended() -> bool:  # the old code fails the job here: no need to wait out the timeout
+        return bool(su.events(sub.run_dir, "done")) or su.state(sub.job_id) in ("FAILED", "COMPLETED", "CANCELLED")
+    su.wait_for(f"job {sub.job_id} to end", ended, JOB_TIMEOUT_S, poll_s=0.25)
+    assert su.events(sub.run_dir, "done"), f"job {sub.job_id} ended {su.state(sub.job_id)} without finishing"
+    (restarted,) = su.events(sub.run_dir, "trainer_restarted")
+    assert (restarted["dead_rank"], restarted["node"], restarted["signal"], restarted["trainer_restart"],
+            restarted["restart_count"]) == (0, rank0["node"], "SIGKILL", 1, 0), restarted
+    su.wait_done(sub.job_id, sub.run_dir, JOB_TIMEOUT_S, slurm_cluster.kick)
+    assert commands.show_job(sub.job_id)[0]["Restarts"] == "0"  # the same allocation: SLURM never requeued it
+    resumes = su.events(sub.run_dir, "resume")
+    assert [(e["restart_count"], e.get("trainer_restart")) for e in resumes] == [(0, 1)]
+    (resume,) = resumes
+    assert resume["checkpoint"] == step_dirname(resume["step"]) and resume["step"] >= 2 * su.INTERVAL
+    trainers = su.placements(sub.run_dir, "train", 0)
+    assert len(trainers) == 4 and {p["node"] for p in trainers} == {rank0["node"]}  # new ranks, same node
+    # The engines were kept: one engine process served the whole run, synced and verified to the resumed version.
+    assert len(su.placements(sub.run_dir, "rollout")) == 1
+    engine_after = json.loads((sub.run_dir / "endpoints" / "engine-0.json").read_text())
+    assert (engine_after["pid"], engine_after["url"]) == (engine_before["pid"], engine_before["url"])
+    assert not su.events(sub.run_dir, "engine_died") and not su.events(sub.run_dir, "engine_restarted")
+    resync = next(e for e in su.events(sub.run_dir, "sync_verified") if e["t"] > resume["t"])
+    assert resync["version"] == resume["step"]
+    assert latest_complete(run, tidy=False).step == STEPS
+    engine_logs = "".join(p.read_text(errors="replace") for p in (sub.run_dir / "logs").glob("rollout-*.log"))
+    assert engine_logs.count("stopped: exiting 0") == 1, engine_logs[-2000:]  # stopped once, at the end
+    assert trajectory(sub.run_dir) == trajectory(reference)
+    first = next(e for e in su.events(sub.run_dir, "first_step") if e["t"] > killed_at)
+    print(f"\nMEASURE RL trainer rank SIGKILL, restart in the allocation: kill -> trainer_restarted "
+          f"{restarted['t'] - killed_at:.2f} s -> first new step {first['t'] - restarted['t']:.2f} s "
+          f"(kill -> training again {first['t'] - killed_at:.2f} s)")
 
 
 def test_time_limit_drains_the_rl_job_before_the_kill_and_resumes_until_done(slurm_cluster, reference, timelimit_job):

@@ -198,7 +198,9 @@ def test_sigkill_while_writing_checkpoint_resumes_from_previous_complete(slurm_c
     # sbatch exports the submitter's environment: the job's ranks get the checkpoint pause hook (3 s after
     # the first file of every save from step 16), the window in which the test kills the writer.
     monkeypatch.setenv("RLSLURM_TEST_PAUSE_IN_CHECKPOINT_S", f"3@{2 * interval}")
-    sub = su.submit(su.toy_config(tmp_path / "sigkill.yaml", tmp_path / "runs", interval_steps=interval))
+    # No trainer restart inside the allocation (train.max_restarts 0): this test is the requeue after the kill.
+    sub = su.submit(su.toy_config(tmp_path / "sigkill.yaml", tmp_path / "runs", interval_steps=interval,
+                                  max_restarts=0))
     monkeypatch.delenv("RLSLURM_TEST_PAUSE_IN_CHECKPOINT_S")
     run = RunDir(sub.run_dir)
     _, _, killed_at = su.kill_checkpoint_writer_and_requeue(sub, 2 * interval, JOB_TIMEOUT_S, slurm_cluster.kick)

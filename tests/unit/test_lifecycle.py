@@ -110,3 +110,20 @@ def test_other_ranks_save_with_the_leader_but_stay_quiet(run):
     code, calls = _drain(run, is_leader=False)
     assert code == ExitCode.DRAINED and calls == {"save": 1, "requeue": []}
     assert not run.events.exists()
+
+
+def test_trainer_restarts_inside_the_allocation_have_their_own_budget_not_the_storm_guards(run):
+    """A restart of the trainer ranks in the allocation (rlslurm/slurm/supervisor.py) is recorded and said, but
+    the storm guard counts only starts across requeues: train.max_restarts bounds the others."""
+    def start(n: int, step: int, trainer_restart: int = 0):
+        env = {"RLSLURM_TRAINER_RESTART": str(trainer_restart)} if trainer_restart else {}
+        return on_start(run, n, step=step, checkpoint=f"step-{step:08d}", max_no_progress_restarts=2, env=env)
+
+    assert start(0, 5).proceed
+    assert start(0, 5, trainer_restart=1).proceed and start(0, 5, trainer_restart=2).proceed  # not a storm
+    assert start(1, 5).proceed                      # the requeue after them: one fruitless start so far
+    assert start(1, 5, trainer_restart=1).proceed
+    assert not start(2, 5).proceed                   # the second fruitless requeue is the storm, as before
+    records = read_jsonl(run.jobs)
+    assert [r.get("trainer_restart") for r in records] == [None, 1, 2, None, 1, None]
+    assert [e.get("trainer_restart") for e in read_events(run, "resume")] == [None, 1, 2, None, 1]
