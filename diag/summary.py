@@ -19,8 +19,9 @@ checkpoint_skipped (rlslurm/checkpoint.py: a save that failed, a damaged checkpo
 heartbeat_unwritable / heartbeat_restored (diag/heartbeat.py) and node_agent_died (diag/agent.py): the ops
 kit's own failures, trainer_restarted / trainer_restarts_spent (rlslurm/slurm/supervisor.py: a rank crash the
 job restarted in the allocation is evidence, not the cause), done / sft_finished, start / resume. SLURM's
-state and the log tails cover what no process lives to say (OOM kill, node failure, time limit,
-preemption). tests/data/diag/ holds a recorded run of each cause (tests/unit/test_diag_recorded.py).
+state and the log tails cover what no process lives to say (node failure, time limit, preemption); a rank
+the kernel killed is the node agent's rank_died (diag/deaths.py: its memory cgroup's OOM-kill count).
+tests/data/diag/ holds a recorded run of each cause (tests/unit/test_diag_recorded.py).
 """
 
 from __future__ import annotations
