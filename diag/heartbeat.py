@@ -206,15 +206,21 @@ def read_heartbeats(run: RunDir) -> list[dict]:
     return sorted(beats, key=lambda h: (str(h.get("role")), int(h.get("rank") or 0)))
 
 
+def process_started(pid: int) -> float | None:
+    """Start time of `pid`, or None when no such (live, not zombie) process exists."""
+    try:
+        proc = psutil.Process(pid)
+        return None if proc.status() == psutil.STATUS_ZOMBIE else proc.create_time()
+    except psutil.Error:
+        return None
+
+
 def pid_alive(hb: dict) -> bool:
     """Is the heartbeat's process still the one running under that pid on this host?"""
     try:
-        proc = psutil.Process(int(hb["pid"]))
-        started = hb.get("pid_started")
-        if started is not None and abs(proc.create_time() - float(started)) > 1.0:
-            return False
-        return proc.status() != psutil.STATUS_ZOMBIE
-    except (psutil.Error, KeyError, TypeError, ValueError):
+        started, recorded = process_started(int(hb["pid"])), hb.get("pid_started")
+        return started is not None and (recorded is None or abs(started - float(recorded)) <= 1.0)
+    except (KeyError, TypeError, ValueError):
         return False
 
 

@@ -64,7 +64,7 @@ from rlslurm.diag import collectives, nvidia_smi
 from rlslurm.diag.collectives import Attribution, RankRecord, attribute, fetch
 from rlslurm.diag.config import DiagConfig
 from rlslurm.diag.deaths import DeathWatch
-from rlslurm.diag.heartbeat import label, pid_alive, read_heartbeats, still_unwritable
+from rlslurm.diag.heartbeat import label, pid_alive, process_started, read_heartbeats, still_unwritable
 from rlslurm.diag.stack_dump import StackDump, collective_in, dump_stack, process_state, top_frame
 from rlslurm.events import HANG_ACTION, HANG_DETECTED, emit
 from rlslurm.lifecycle import ExitCode, requeue_job
@@ -143,7 +143,7 @@ class Watchdog:
         self.clock, self.requeue, self.kill, self.dump = clock, requeue, kill, dump
         self.job_id = job_id
         self.parent_pid = parent_pid
-        self._parent_started = _create_time(parent_pid) if parent_pid else None
+        self._parent_started = process_started(parent_pid) if parent_pid else None
         self._stop = threading.Event()
         # Waits go through the stop Event, so stop() ends them at once; tests inject their own.
         self.sleep = sleep or self._stop.wait
@@ -371,7 +371,7 @@ class Watchdog:
         """Whether the process this agent belongs to has exited (a pid reused since does not count)."""
         if not self.parent_pid:
             return False
-        started = _create_time(self.parent_pid)
+        started = process_started(self.parent_pid)
         if started is None or self._parent_started is None:
             return True
         return abs(started - self._parent_started) > 1.0
@@ -406,15 +406,6 @@ class Watchdog:
         self.deaths.look([r.hb for r in self.watched()])
         log.info("exiting: asked to stop (SIGTERM/SIGINT)")
         return 0
-
-
-def _create_time(pid: int) -> float | None:
-    """Start time of `pid`, or None when no such (live) process exists."""
-    try:
-        proc = psutil.Process(pid)
-        return None if proc.status() == psutil.STATUS_ZOMBIE else proc.create_time()
-    except psutil.Error:
-        return None
 
 
 def _rank_fields(r: Rank) -> dict:
