@@ -78,8 +78,9 @@ def oom_kills(cgroup: Path) -> int | None:
     """The OOM killer's count of kills in this memory cgroup (None: not readable, or a kernel too old to say)."""
     for name in ("memory.events", "memory.oom_control"):  # v2, v1
         text = _read(cgroup / name)
-        if text is not None and "oom_kill" in keyed(text):
-            return keyed(text)["oom_kill"]
+        count = keyed(text).get("oom_kill") if text is not None else None
+        if count is not None:
+            return count
     return None
 
 
@@ -134,10 +135,11 @@ class DeathWatch:
             # Read every poll: a cgroup is where the process is now (SLURM may move a task after it started).
             cgroup = self._cgroup(pid)
             self.seen[pid] = Seen(hb, cgroup, oom_kills(cgroup) if cgroup else None, node_count)
-        died = []
-        for pid in [p for p in self.seen if p not in live]:
+        died, gone = [], [p for p in self.seen if p not in live]
+        beats = read_heartbeats(self.run) if gone else []
+        for pid in gone:
             seen = self.seen.pop(pid)
-            latest = next((hb for hb in read_heartbeats(self.run) if hb.get("pid") == pid
+            latest = next((hb for hb in beats if hb.get("pid") == pid
                            and hb.get("role") == seen.hb.get("role") and hb.get("rank") == seen.hb.get("rank")), None)
             # Gone from the watched list for a reason of its own (it wrote `exited`/`failed` on its way out),
             # or ended by the agent itself: not a death without a word.
