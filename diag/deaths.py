@@ -95,12 +95,15 @@ def _bytes(cgroup: Path, *names: str) -> int | None:
 
 @dataclass
 class Seen:
-    """What the agent last saw of a live rank: its heartbeat and its memory cgroup's counter then."""
+    """A live rank as the agent saw it: its latest heartbeat, and each counter as it was when the agent first saw
+    the rank there (not at the latest look: a killed process is still alive while the kernel frees its memory,
+    with the counters already grown, and in cgroup v1 it leaves its cgroup for the root one on its way out)."""
 
     hb: dict
-    cgroup: Path | None
-    oom_kills: int | None
+    cgroups: dict[Path, int | None]
+    """Every memory cgroup the rank was seen in, in order, with its oom_kill count at first sight there."""
     node_oom_kills: int | None
+    """The node's oom_kill count when the rank was first seen."""
 
 
 class DeathWatch:
@@ -132,9 +135,12 @@ class DeathWatch:
                 continue
             pid = int(hb["pid"])
             live.add(pid)
+            seen = self.seen.setdefault(pid, Seen(hb, {}, node_count))
+            seen.hb = hb
             # Read every poll: a cgroup is where the process is now (SLURM may move a task after it started).
             cgroup = self._cgroup(pid)
-            self.seen[pid] = Seen(hb, cgroup, oom_kills(cgroup) if cgroup else None, node_count)
+            if cgroup is not None and cgroup not in seen.cgroups:
+                seen.cgroups[cgroup] = oom_kills(cgroup)
         died, gone = [], [p for p in self.seen if p not in live]
         beats = read_heartbeats(self.run) if gone else []
         for pid in gone:
@@ -149,20 +155,21 @@ class DeathWatch:
         return died
 
     def _emit(self, hb: dict, seen: Seen, node_count: int | None) -> dict:
-        after = oom_kills(seen.cgroup) if seen.cgroup else None
-        cgroup_kills = (after - seen.oom_kills) if after is not None and seen.oom_kills is not None else None
+        grown = {cg: oom_kills(cg) - before for cg, before in seen.cgroups.items()
+                 if before is not None and oom_kills(cg) is not None}
+        # The cgroup whose count grew, else the latest the rank was seen in that has a count.
+        cgroup = next((cg for cg, n in grown.items() if n > 0), next(reversed(grown), None))
+        cgroup_kills = grown.get(cgroup)
         node_kills = (node_count - seen.node_oom_kills) if node_count is not None and \
             seen.node_oom_kills is not None else None
         fields = dict(rank_pid=int(hb["pid"]), phase=hb.get("phase"), step=hb.get("step"),
-                      cgroup=str(seen.cgroup) if seen.cgroup else None, cgroup_oom_kills=cgroup_kills,
+                      cgroup=str(cgroup) if cgroup else None, cgroup_oom_kills=cgroup_kills,
                       node_oom_kills=node_kills,
                       # The cgroup's count is this rank's own evidence; the node's counts any process's kill,
                       # so it decides only where no cgroup counter could be read.
                       oom_killed=bool(cgroup_kills) if cgroup_kills is not None else bool(node_kills),
-                      memory_limit_bytes=_bytes(seen.cgroup, "memory.max", "memory.limit_in_bytes")
-                      if seen.cgroup else None,
-                      memory_peak_bytes=_bytes(seen.cgroup, "memory.peak", "memory.max_usage_in_bytes")
-                      if seen.cgroup else None)
+                      memory_limit_bytes=_bytes(cgroup, "memory.max", "memory.limit_in_bytes") if cgroup else None,
+                      memory_peak_bytes=_bytes(cgroup, "memory.peak", "memory.max_usage_in_bytes") if cgroup else None)
         log.error("%s (pid %s) died without a word in phase %s step %s; OOM killer: %s (cgroup %s: +%s kills, "
                   "node: +%s)", label(hb), fields["rank_pid"], fields["phase"], fields["step"], fields["oom_killed"],
                   fields["cgroup"], cgroup_kills, node_kills)

@@ -172,7 +172,7 @@ NODE_AGENT_DIED = declare("node_agent_died", "the node agent (diag/watchdog.py) 
                           optional=("signal", "log_tail"))
 RANK_DIED = declare("rank_died", "the node agent found a trainer rank's process gone while its heartbeat still said "
                     "running (no exception, no exit of its own: the OOM killer, a segfault, a SIGKILL), with the "
-                    "kernel's OOM-kill counts of its memory cgroup and of its node since the agent last saw it",
+                    "kernel's OOM-kill counts of its memory cgroup and of its node since the agent first saw it",
                     by="diag/deaths.py", required=("rank_pid", "phase", "step", "oom_killed"),
                     optional=("cgroup", "cgroup_oom_kills", "node_oom_kills", "memory_limit_bytes",
                               "memory_peak_bytes"))

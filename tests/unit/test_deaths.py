@@ -108,11 +108,31 @@ def test_a_kill_elsewhere_on_the_node_is_not_this_ranks_oom_when_its_cgroup_says
     m.live.discard(101)
     (died,) = watch.look(beats[:1])
     assert (died["oom_killed"], died["cgroup_oom_kills"], died["node_oom_kills"]) == (False, 0, 1)
-    # Without a cgroup counter, the node's count is all there is.
+    # Without a cgroup counter, the node's count is all there is: both kills since the agent first saw rank 0.
     m.live.discard(100)
     m.vmstat(2)
     (died,) = watch.look([])
-    assert (died["rank"], died["oom_killed"], died["cgroup"], died["node_oom_kills"]) == (0, True, None, 1)
+    assert (died["rank"], died["oom_killed"], died["cgroup"], died["node_oom_kills"]) == (0, True, None, 2)
+
+
+def test_a_look_while_the_killed_rank_exits_does_not_hide_the_kill(tmp_path):
+    """Seen in CI: the agent looked while the OOM-killed rank was still freeing its memory (alive, the counters
+    already grown, and, in cgroup v1, moved to the root cgroup on its way out); that look became the baseline
+    and the kill read as +0."""
+    m = Machine(tmp_path)
+    m.counter("task_1", 0)
+    m.counter("", 0)  # the root cgroup's own counter
+    beats = [m.rank(0, 100, None), m.rank(1, 101, "task_1")]
+    watch = m.watch()
+    watch.look(beats)
+    m.counter("task_1", 1)
+    m.vmstat(1)
+    (m.proc / "101" / "cgroup").write_text("4:memory:/\n")  # exiting: back in the root cgroup, still alive
+    assert watch.look(beats) == []
+    m.live.discard(101)
+    (died,) = watch.look(beats[:1])
+    assert (died["oom_killed"], died["cgroup_oom_kills"], died["node_oom_kills"]) == (True, 1, 1), died
+    assert died["cgroup"].endswith("memory/task_1")
 
 
 def test_a_clean_end_and_the_agents_own_kill_are_not_deaths(tmp_path):
