@@ -94,7 +94,8 @@ TRAINER_RESTARTED = declare("trainer_restarted", "a trainer rank died by a signa
                                       "restart_count", "srun_exit_code"), optional=("step_s",))
 TRAINER_RESTARTS_SPENT = declare("trainer_restarts_spent", "a trainer rank died by a signal and the allocation "
                                  "cannot take another trainer restart (train.max_restarts spent, or a node of "
-                                 "component 0 lost): the job is requeued, its failed node recorded to be avoided",
+                                 "component 0 lost): the job is requeued and SLURM asked to keep it off the failed "
+                                 "node (`excluded`: the nodes it took)",
                                  by="rlslurm/slurm/supervisor.py",
                                  required=("dead_rank", "node", "cause", "signal", "reason", "restarts",
                                            "max_restarts", "restart_count", "requeue"), optional=("excluded",))

@@ -39,7 +39,7 @@ class Status:
     ops: list[str] = field(default_factory=list)
     """What is wrong with the ops kit itself this attempt: heartbeats that cannot be written, node agents that died."""
     excluded: list[dict] = field(default_factory=list)
-    """Nodes a lost-node requeue asked SLURM to keep the job off (<run>/excluded_nodes.json, slurm/rejoin.py)."""
+    """Nodes a requeue asked SLURM to keep the job off, and its answer (<run>/excluded_nodes.json, slurm/rejoin.py)."""
     trainer_restarts: list[dict] = field(default_factory=list)
     """This allocation's `trainer_restarted` events: trainer ranks restarted in place (rlslurm/slurm/supervisor.py)."""
 
@@ -174,9 +174,12 @@ def render(status: Status) -> str:
                      f"{last.get('max_restarts')} (last: rank {last.get('dead_rank')} on {last.get('node')}, "
                      f"{last.get('cause')})")
     for x in status.excluded:
-        lines.append(f"kept off node {x.get('node')}: lost at restart {x.get('restart_count')} ({x.get('state')}: "
-                     f"{x.get('reason')}); SLURM was asked to exclude it"
-                     + (f" and refused: {x['refused']}" if x.get("refused") else ""))
+        what = (f"lost at restart {x.get('restart_count')} ({x.get('state')}: {x.get('reason')})")
+        if x.get("excluded"):
+            lines.append(f"kept off node {x.get('node')}: {what}; SLURM excluded it")
+        else:
+            why = f"SLURM refused: {x['refused']}" if x.get("refused") else x.get("not_asked", "not asked")
+            lines.append(f"not kept off node {x.get('node')}: {what}; {why}")
     if status.ops:
         lines.append("ops kit:")
         lines += [f"  {line}" for line in status.ops]

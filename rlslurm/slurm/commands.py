@@ -169,6 +169,12 @@ def show_node(node: str, **kw) -> list[dict[str, str]]:
     return parse.scontrol_show(scontrol("show", "node", "-o", node, **kw))
 
 
+def partition_nodes(partition: str, **kw) -> list[str]:
+    """The nodes of a partition (`scontrol show partition -o NAME`, its Nodes= expanded)."""
+    records = parse.scontrol_show(scontrol("show", "partition", "-o", partition, **kw))
+    return [n for r in records for n in parse.expand_nodelist(r.get("Nodes", ""))]
+
+
 def requeue(job_id: str, **kw) -> str:
     """`scontrol requeue ID` (a het job only through its leader): SIGTERM now, restart later. Returns what
     happened: the hang watchdog and the leader's drain both requeue, and the second finds the job pending

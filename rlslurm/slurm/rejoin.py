@@ -9,10 +9,10 @@ then pends for good, since a component that ended never starts again. Nothing of
 notice, so the fix is SLURM's own: a `strigger --fini` on every component (run by slurmctld, as the job's
 user, when that component ends). It finds the job split (one component pending, another ended by SLURM)
 and requeues the whole het job through its leader, which brings the ended components back to PENDING; it
-first asks SLURM to keep the requeued job off the nodes the last attempt lost (`scontrol update
-ExcNodeList`, recorded in <run>/excluded_nodes.json for `rlslurm status`). At a normal end every component
-is COMPLETED (or the user cancelled them all) and the trigger does nothing. A trigger fires once: every
-start arms them again.
+then asks SLURM to keep the requeued job off the nodes the last attempt lost (`scontrol update
+ExcNodeList`, taken only from a pending job; recorded in <run>/excluded_nodes.json for `rlslurm status`).
+At a normal end every component is COMPLETED (or the user cancelled them all) and the trigger does nothing.
+A trigger fires once: every start arms them again.
 """
 
 from __future__ import annotations
@@ -22,13 +22,14 @@ import logging
 import shlex
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Mapping, Sequence
 
 from rlslurm import events, lifecycle
 from rlslurm.errors import SlurmCommandError
 from rlslurm.rundir import RunDir, read_jsonl
-from rlslurm.slurm import commands
+from rlslurm.slurm import commands, parse
 
 log = logging.getLogger(__name__)
 
@@ -83,28 +84,82 @@ def lost_nodes(run: RunDir, show_node=commands.show_node) -> list[dict]:
     return lifecycle.lost_nodes(nodes, last + 1, show_node)
 
 
-def keep_off(run: RunDir, job_ids: Sequence[str], nodes: Sequence[dict]) -> list[str]:
-    """Ask SLURM to keep the job's components `job_ids` off `nodes` ({node, state, reason, restart_count}):
-    `scontrol update ExcNodeList`, and record them in <run>/excluded_nodes.json (`rlslurm status` shows them,
-    with SLURM's refusal where it refused: measured on 22.05, it refuses a running job, "Job is no longer
-    pending execution"). Returns the names asked for."""
+@dataclass(frozen=True)
+class Exclusion:
+    """What to ask SLURM for one component of a requeued job."""
+
+    job_id: str
+    exclude: tuple[str, ...]
+    """The component's whole ExcNodeList to set: its own exclusions, then the failed nodes added."""
+    added: tuple[str, ...] = ()
+    """The failed nodes of the component's partitions this adds."""
+    why_not: str | None = None
+    """Why a failed node of the component's partitions is not added (the job would never start again)."""
+
+
+def exclusions(records: Sequence[Mapping[str, str]], nodes: Sequence[str],
+               partition_nodes: Callable[[str], list[str]]) -> list[Exclusion]:
+    """Pure: per component (`scontrol show job` records), the ExcNodeList that keeps it off the failed `nodes`
+    of its partitions. A failed node the job pins (--nodelist), or one without which its partitions no longer
+    hold the nodes the component needs, is not added: the job would pend for good."""
+    plans = []
+    for r in records:
+        pool = [n for p in r.get("Partition", "").split(",") if p for n in partition_nodes(p)]
+        have = parse.expand_nodelist(r.get("ExcNodeList", ""))
+        new = [n for n in nodes if n in pool and n not in have]
+        pinned = [n for n in new if n in parse.expand_nodelist(r.get("ReqNodeList", ""))]
+        need = int((r.get("NumNodes") or "1").split("-")[0])
+        left = [n for n in pool if n not in have and n not in new]
+        why_not = None
+        if pinned:
+            why_not = f"component {r.get('JobId')} asks for {','.join(pinned)} by name (--nodelist)"
+        elif new and len(left) < need:
+            why_not = (f"partition {r.get('Partition')} would keep {len(left)} node(s) for the {need} that "
+                       f"component {r.get('JobId')} needs")
+        added = () if why_not else tuple(new)
+        plans.append(Exclusion(r.get("JobId", ""), tuple(have) + added, added, why_not))
+    return plans
+
+
+def keep_off(run: RunDir, leader: str, nodes: Sequence[dict], *, show_job=commands.show_job,
+             partition_nodes=commands.partition_nodes) -> list[str]:
+    """Ask SLURM to keep the requeued job `leader` off `nodes` ({node, state, reason, restart_count}) by
+    `scontrol update ExcNodeList` of its components, and record them in <run>/excluded_nodes.json (`rlslurm
+    status` shows them, with SLURM's refusal or the reason not to ask). Returns the names SLURM took.
+
+    Call it after the requeue: SLURM refuses the update of a running job ("Job is no longer pending
+    execution") and takes it as soon as the requeue returns, before the requeue delay lets the job start
+    again. Measured on 22.05 too: the update sets the list whole (the user's --exclude would be lost, so each
+    component gets its own list back with the nodes added) and a leader's update is copied to every
+    component (so the leader goes first, then every other component)."""
     if not nodes:
         return []
-    names = ",".join(x["node"] for x in nodes)
-    refused, accepted = None, False
-    for job_id in job_ids:
-        try:  # a component SLURM refuses to update (already ended) is requeued anyway: still worth it
-            commands.scontrol("update", f"JobId={job_id}", f"ExcNodeList={names}")
-            accepted = True
-        except SlurmCommandError as e:
-            log.warning("could not exclude %s from component %s: %s", names, job_id, e)
-            refused = (getattr(e, "stderr", "") or str(e)).strip()
-    refused = None if accepted else refused  # one component that takes it keeps the requeued job off them
+    names = [x["node"] for x in nodes]
+    took: list[str] = []
+    refused = None
+    try:
+        plans = exclusions(show_job(leader), names, partition_nodes)
+    except (SlurmCommandError, parse.SlurmParseError) as e:
+        plans, refused = [], (getattr(e, "stderr", "") or str(e)).strip()
+    if any(p.added for p in plans):
+        for plan in sorted(plans, key=lambda p: p.job_id != str(leader)):
+            try:
+                commands.scontrol("update", f"JobId={plan.job_id}", f"ExcNodeList={','.join(plan.exclude)}")
+                took += plan.added
+            except SlurmCommandError as e:
+                log.warning("could not exclude %s from component %s: %s", plan.added, plan.job_id, e)
+                refused = (getattr(e, "stderr", "") or str(e)).strip()
+    why_not = "; ".join(p.why_not for p in plans if p.why_not)
     path = run.path / EXCLUDED
-    before = json.loads(path.read_text()) if path.is_file() else []
-    now = [{**x, "t": time.time(), **({"refused": refused} if refused else {})} for x in nodes]
-    path.write_text(json.dumps(before + now, indent=1))
-    return [x["node"] for x in nodes]
+    previous = json.loads(path.read_text()) if path.is_file() else []
+    now = []
+    for x in nodes:
+        kept = x["node"] in took
+        now.append({**x, "t": time.time(), "excluded": kept,
+                    **({} if kept else {"refused": refused} if refused else
+                       {"not_asked": why_not or "not in the partitions of any component"})})
+    path.write_text(json.dumps(previous + now, indent=1))
+    return sorted(set(took))
 
 
 def rejoin(leader: str, run: RunDir, fired_by: str | None = None) -> str | None:
@@ -114,11 +169,11 @@ def rejoin(leader: str, run: RunDir, fired_by: str | None = None) -> str | None:
         log.info("job %s not split (%s): nothing to do", leader, [s.get("JobState") for s in states])
         return None
     lost = lost_nodes(run)
-    keep_off(run, [s["JobId"] for s in states], lost)
     done = commands.requeue(leader)
+    excluded = keep_off(run, leader, lost)  # after the requeue: SLURM takes ExcNodeList only from a pending job
     events.emit(run, events.COMPONENTS_REQUEUED, role="slurmctld", job_id=leader, fired_by=fired_by,
                 states={s.get("HetJobOffset", "0"): s.get("JobState") for s in states},
-                excluded=[x["node"] for x in lost], result=done)
+                excluded=excluded, result=done)
     for x in lost:
         events.emit(run, events.NODE_LOST, role="slurmctld", **x)
     return done

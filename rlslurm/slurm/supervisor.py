@@ -19,8 +19,9 @@ them), arms the lost-node triggers (rlslurm/slurm/rejoin.py), then runs the trai
   controller finds the running engines by their endpoint files (same job id and restart count) and brings
   them to its version with a verified sync before any rollout (rlslurm/rl/loop.py `_first_sync`; a
   broadcast group is joined anew, the engine drops the old one);
-- the budget spent or a node of component 0 lost: `trainer_restarts_spent`, the failed node recorded in
-  <run>/excluded_nodes.json (`rlslurm status` shows it), `scontrol requeue` of the leader;
+- the budget spent or a node of component 0 lost: `trainer_restarts_spent`, `scontrol requeue` of the leader,
+  then SLURM asked to keep the requeued job off the failed node (ExcNodeList, rejoin.keep_off; recorded in
+  <run>/excluded_nodes.json, which `rlslurm status` shows);
 - anything else (an exception's exit 1, NO_PROGRESS, SLURM ending the job): leave; the job's exit-code
   contract (rlslurm/lifecycle.py) applies as before.
 
@@ -216,7 +217,7 @@ class TrainerSupervisor:
                                 restart_count=self.restart_count, srun_exit_code=code, step_s=time.time() - started)
                     continue
                 if verdict.action == "requeue":
-                    self._requeue(verdict, restarts)
+                    self._requeue(verdict, restarts, lost)
                 break
         finally:
             if not self._left_to_slurm(verdict, started):
@@ -238,17 +239,23 @@ class TrainerSupervisor:
             return True
         return any(e.get("t", 0) >= started for e in events.read_events(self.run, events.DRAINED))
 
-    def _requeue(self, verdict: Verdict, restarts: int) -> None:
+    def _requeue(self, verdict: Verdict, restarts: int, lost: Sequence[dict]) -> None:
         from rlslurm.slurm import rejoin
 
         death = self._death(verdict)
-        excluded = rejoin.keep_off(self.run, [self.leader] if self.leader else [], [{
-            "node": death["node"], "state": f"trainer rank {death['dead_rank']} died ({death['cause']})",
-            "reason": verdict.reason, "restart_count": self.restart_count}])
+        # The requeue SIGTERMs every process of the job, and SIGKILLs them KillWait s later: the scontrol
+        # children after it (keep_off) must outlive the first signal. An ignored signal stays ignored across
+        # exec; this process is leaving anyway.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
             done = commands.requeue(self.leader) if self.leader else "no SLURM job id: not requeued"
         except SlurmCommandError as e:
             done = f"failed: {e}"
+        failed = list(lost) + [{"node": death["node"], "state": f"trainer rank {death['dead_rank']} died "
+                                f"({death['cause']})", "reason": verdict.reason, "restart_count": self.restart_count}]
+        failed = [x for i, x in enumerate(failed) if x["node"] not in {y["node"] for y in failed[:i]}]
+        # After the requeue: SLURM takes ExcNodeList only from a pending job (rejoin.keep_off says more).
+        excluded = rejoin.keep_off(self.run, self.leader, failed) if self.leader else []
         events.emit(self.run, events.TRAINER_RESTARTS_SPENT, role="supervisor", **death, reason=verdict.reason,
                     restarts=restarts, max_restarts=self.job.train.max_restarts, restart_count=self.restart_count,
                     requeue=done, excluded=excluded)

@@ -166,10 +166,12 @@ def train_node(sub: launch.Submission) -> str:
     return rec["NodeList"]
 
 
-def kill_checkpoint_writer_and_requeue(sub, step: int, timeout_s: float, kick) -> tuple[Path, int, float]:
+def kill_checkpoint_writer_and_requeue(sub, step: int, timeout_s: float, kick,
+                                       requeue: bool = True) -> tuple[Path, int, float]:
     """SIGKILL rank 0 while it writes the step-`step` checkpoint (the job runs with the checkpoint pause
-    hook), `scontrol requeue` the job and wait until it is done. Asserts the skipped checkpoint is that
-    half-written one and was tidied. Returns (its temp dir, the writer's pid, time of the kill)."""
+    hook), `scontrol requeue` the job (`requeue` False: leave that to the job's trainer supervisor) and wait
+    until it is done. Asserts the skipped checkpoint is that half-written one and was tidied. Returns (its
+    temp dir, the writer's pid, time of the kill)."""
     import os
     import signal
 
@@ -199,7 +201,8 @@ def kill_checkpoint_writer_and_requeue(sub, step: int, timeout_s: float, kick) -
         except SlurmCommandError as e:
             log.info("requeue not accepted yet: %s", e)
             return False
-    wait_for(f"SLURM to accept the requeue of {sub.job_id}", requeued, 30, poll_s=0.5)
+    if requeue:
+        wait_for(f"SLURM to accept the requeue of {sub.job_id}", requeued, 30, poll_s=0.5)
     wait_done(sub.job_id, sub.run_dir, timeout_s, kick)
 
     skipped = events(sub.run_dir, "checkpoint_skipped")

@@ -22,7 +22,7 @@ from click.testing import CliRunner
 
 import spine_util as su
 from rlslurm.cli.main import cli
-from rlslurm.slurm import commands
+from rlslurm.slurm import commands, parse
 from spine_util import STEPS
 from waiting import wait_for
 
@@ -141,7 +141,8 @@ def test_a_node_set_down_requeues_every_component_together_and_the_job_resumes(s
     if role == "train" or rejoined:  # measured: a train node lost splits the job; SLURM may requeue all itself
         assert rejoined and rejoined[0]["excluded"] == [node], su.events(run)[-12:]
         assert set(rejoined[0]["states"].values()) >= {"PENDING"}, rejoined
-        assert f"kept off node {node}: lost at restart 1" in status, status
+        assert f"kept off node {node}: lost at restart 1" in status and "SLURM excluded it" in status, status
+        assert node in parse.expand_nodelist(commands.show_job(sub.job_id)[0]["ExcNodeList"])
     (lost,) = su.events(run, "node_lost")
     assert lost["node"] == node and "DRAIN" in lost["state"] and lost["restart_count"] == 1, lost
     assert {p["node"] for p in su.placements(run, restart=1)}.isdisjoint({node})

@@ -27,7 +27,7 @@ from rlslurm import launch
 from rlslurm.checkpoint import latest_complete, step_dirname
 from rlslurm.cli.main import cli
 from rlslurm.rundir import RunDir, find_run, read_jsonl
-from rlslurm.slurm import commands
+from rlslurm.slurm import commands, parse
 from rlslurm.status import follow
 from spine_util import INTERVAL, STEPS
 
@@ -198,12 +198,21 @@ def test_sigkill_while_writing_checkpoint_resumes_from_previous_complete(slurm_c
     # sbatch exports the submitter's environment: the job's ranks get the checkpoint pause hook (3 s after
     # the first file of every save from step 16), the window in which the test kills the writer.
     monkeypatch.setenv("RLSLURM_TEST_PAUSE_IN_CHECKPOINT_S", f"3@{2 * interval}")
-    # No trainer restart inside the allocation (train.max_restarts 0): this test is the requeue after the kill.
+    # No trainer restart inside the allocation (train.max_restarts 0): the trainer supervisor requeues the job
+    # at once, and asks SLURM to keep it off the node whose rank died (of the 2 train nodes here, the other).
     sub = su.submit(su.toy_config(tmp_path / "sigkill.yaml", tmp_path / "runs", interval_steps=interval,
                                   max_restarts=0))
     monkeypatch.delenv("RLSLURM_TEST_PAUSE_IN_CHECKPOINT_S")
     run = RunDir(sub.run_dir)
-    _, _, killed_at = su.kill_checkpoint_writer_and_requeue(sub, 2 * interval, JOB_TIMEOUT_S, slurm_cluster.kick)
+    _, _, killed_at = su.kill_checkpoint_writer_and_requeue(sub, 2 * interval, JOB_TIMEOUT_S, slurm_cluster.kick,
+                                                            requeue=False)
+    (node,) = {p["node"] for p in su.placements(sub.run_dir, "train", 0)}
+    (spent,) = su.events(sub.run_dir, "trainer_restarts_spent")
+    assert spent["node"] == node and spent["excluded"] == [node] and "scontrol requeue" in spent["requeue"], spent
+    assert node in parse.expand_nodelist(commands.show_job(sub.job_id)[0]["ExcNodeList"])
+    assert {p["node"] for p in su.placements(sub.run_dir, "train", 1)}.isdisjoint({node})
+    status = CliRunner().invoke(cli, ["status", str(sub.run_dir)]).output
+    assert f"kept off node {node}: " in status and "SLURM excluded it" in status, status
     (resume,) = su.events(sub.run_dir, "resume")
     assert (resume["step"], resume["checkpoint"]) == (interval, step_dirname(interval))
     assert latest_complete(run, tidy=False).step == STEPS

@@ -87,25 +87,73 @@ def test_the_rendered_script_runs_the_trainer_step_under_the_supervisor():
     assert lines[-1].startswith("srun ") and "--het-group=0 --kill-on-bad-exit=1 /venv/python" in lines[-1]
 
 
-def test_keep_off_records_the_node_and_slurms_refusal(tmp_path, monkeypatch):
-    """excluded_nodes.json holds the node even where SLURM refuses ExcNodeList (a running job: measured)."""
+OUTPUTS = Path(__file__).parent / "slurm_outputs"
+
+
+def _held_job() -> list[dict]:
+    """A pending 2-component het job (train -N1; rollout -N1 --exclude=n4): real `scontrol show job -o`."""
+    from rlslurm.slurm import parse
+
+    return parse.scontrol_show((OUTPUTS / "scontrol_show_job_het_held_exclude.txt").read_text())
+
+
+def _partitions(name: str) -> list[str]:
+    from rlslurm.slurm import parse
+
+    (r,) = [r for r in parse.scontrol_show((OUTPUTS / "scontrol_show_partition.txt").read_text())
+            if r["PartitionName"] == name]
+    return parse.expand_nodelist(r["Nodes"])
+
+
+def test_exclusions_keep_each_components_own_list_and_never_strand_the_job():
+    """The failed node goes to the component whose partition holds it; the other keeps its own --exclude
+    (SLURM's update replaces the list whole); a node whose loss leaves too few, or a pinned one, is not asked."""
+    from rlslurm.slurm import rejoin
+
+    train, rollout = rejoin.exclusions(_held_job(), ["n1"], _partitions)
+    assert (train.job_id, train.exclude, train.added, train.why_not) == ("37000005", ("n1",), ("n1",), None)
+    assert (rollout.job_id, rollout.exclude, rollout.added) == ("37000006", ("n4",), ())
+    _, rollout = rejoin.exclusions(_held_job(), ["n3"], _partitions)  # n4 is excluded already: n3 is the last
+    assert rollout.added == () and rollout.exclude == ("n4",)
+    assert rollout.why_not == "partition rollout would keep 0 node(s) for the 1 that component 37000006 needs"
+    pinned = [{**r, "ReqNodeList": "n[1-2]", "NumNodes": "2"} for r in _held_job()][:1]
+    (train,) = rejoin.exclusions(pinned, ["n2"], _partitions)
+    assert train.added == () and train.why_not == "component 37000005 asks for n2 by name (--nodelist)"
+
+
+def test_keep_off_updates_the_leader_first_and_records_what_slurm_took(tmp_path, monkeypatch):
     import json
 
     from rlslurm.errors import SlurmCommandError
     from rlslurm.rundir import RunDir
     from rlslurm.slurm import commands, rejoin
 
+    updates = []
+    monkeypatch.setattr(commands, "scontrol", lambda *args, **kw: updates.append(args))
+    run = RunDir(tmp_path)
+    node = {"node": "n1", "state": "trainer rank 0 died (Killed)", "reason": "budget spent", "restart_count": 0}
+    assert rejoin.keep_off(run, "37000005", [node], show_job=lambda job: _held_job(),
+                           partition_nodes=_partitions) == ["n1"]
+    # The leader's update is copied to every component by SLURM: the rollout component gets n4 back after it.
+    assert updates == [("update", "JobId=37000005", "ExcNodeList=n1"), ("update", "JobId=37000006", "ExcNodeList=n4")]
+    (kept,) = json.loads((tmp_path / rejoin.EXCLUDED).read_text())
+    assert kept["node"] == "n1" and kept["excluded"] is True and "refused" not in kept
+
     def refuse(*args, **kw):
         err = SlurmCommandError("`scontrol update` exited 1")
         err.stderr = "Job is no longer pending execution for job 7\n"
         raise err
     monkeypatch.setattr(commands, "scontrol", refuse)
-    run = RunDir(tmp_path)
-    node = {"node": "n1", "state": "trainer rank 0 died (Killed)", "reason": "budget spent", "restart_count": 0}
-    assert rejoin.keep_off(run, ["7"], [node]) == ["n1"]
-    (kept,) = json.loads((tmp_path / rejoin.EXCLUDED).read_text())
-    assert kept["node"] == "n1" and kept["refused"] == "Job is no longer pending execution for job 7"
-    assert rejoin.keep_off(run, ["7"], []) == []
+    assert rejoin.keep_off(run, "37000005", [node], show_job=lambda job: _held_job(), partition_nodes=_partitions) == []
+    refused = json.loads((tmp_path / rejoin.EXCLUDED).read_text())[-1]
+    assert refused["excluded"] is False and refused["refused"] == "Job is no longer pending execution for job 7"
+    lost_last = {**node, "node": "n3"}
+    assert rejoin.keep_off(run, "37000005", [lost_last], show_job=lambda job: _held_job(),
+                           partition_nodes=_partitions) == []
+    stranded = json.loads((tmp_path / rejoin.EXCLUDED).read_text())[-1]
+    assert stranded["not_asked"].startswith("partition rollout would keep 0 node(s)")
+    assert rejoin.keep_off(run, "7", []) == []
+
 
 
 def test_diag_names_a_finished_run_with_a_rank_restarted_in_the_allocation_finished():
@@ -137,3 +185,18 @@ def test_without_a_run_directory_the_step_runs_once_with_its_exit_code(monkeypat
     monkeypatch.delenv(ENV_VAR, raising=False)
     assert main(["--", "sh", "-c", "exit 3"]) == 3
     assert main(["--", "true"]) == 0
+
+
+def test_status_says_whether_slurm_kept_the_job_off_a_failed_node():
+    from rlslurm.status import Status, render
+
+    what = {"state": "trainer rank 0 died (Killed)", "reason": "budget spent", "restart_count": 0}
+    lines = render(Status(run_dir="r", job_id="7", backend="slurm", excluded=[
+        {**what, "node": "n1", "excluded": True},
+        {**what, "node": "n2", "excluded": False, "refused": "Job is no longer pending execution"},
+        {**what, "node": "n3", "excluded": False, "not_asked": "partition rollout would keep 0 node(s)"}]))
+    assert "kept off node n1: lost at restart 0 (trainer rank 0 died (Killed): budget spent); SLURM excluded it" \
+        in lines
+    assert "not kept off node n2: lost at restart 0 (trainer rank 0 died (Killed): budget spent); SLURM refused: " \
+        "Job is no longer pending execution" in lines
+    assert "not kept off node n3: " in lines and "; partition rollout would keep 0 node(s)" in lines
