@@ -483,8 +483,10 @@ def test_sigkill_of_a_trainer_rank_restarts_it_in_the_allocation_with_the_engine
     import os
     import signal
 
-    sub = su.submit(rl_config(tmp_path / "rl-trainer-restart.yaml", tmp_path / "runs", sft_export, method="disk",
-                              step_delay_s=0.2))
+    # Broadcast, the separate placement's own method: the new controller must form a new group with the kept
+    # engine (it drops the old one). Disk sync through the same restart passed too (the README's figures).
+    sub = su.submit(rl_config(tmp_path / "rl-trainer-restart.yaml", tmp_path / "runs", sft_export,
+                              method="broadcast", step_delay_s=0.2))
     run = RunDir(sub.run_dir)
     kill_after = 2 * su.INTERVAL + 1  # a checkpoint (step 8) to resume from, and steps since it to redo
     su.wait_for(f"step {kill_after} of {sub.job_id}", lambda: max((m["step"] for m in steps(sub.run_dir)), default=0)
