@@ -338,13 +338,13 @@ def _submit_slurm(job: JobConfig, run: RunDir, lay: JobLayout) -> Submission:
 
 
 def _submit_local(job: JobConfig, run: RunDir, lay: JobLayout) -> Submission:
-    import submitit
-
     from rlslurm.devices import local_gpu_ids
     from rlslurm.jobs.entry import run_component
+    from rlslurm.local_supervisor import RestartingLocalExecutor
     from rlslurm.network import network_env
 
-    executor = submitit.LocalExecutor(folder=run.logs / "submitit")
+    # submitit's local executor with a controller that restarts crashed ranks (rlslurm/local_supervisor.py).
+    executor = RestartingLocalExecutor(folder=run.logs / "submitit")
     # The local executor gives tasks only SUBMITIT_LOCAL_* variables; rlslurm/dist.py maps them. Every task
     # sees the job's GPUs of this machine (gpus_per_node of visible_gpus; none: an empty CUDA_VISIBLE_DEVICES)
     # and takes its local rank's (rlslurm/devices.py).

@@ -28,8 +28,7 @@ them), arms the lost-node triggers (rlslurm/slurm/rejoin.py), then runs the trai
 `--kill-on-bad-exit=1` on the trainer step: one dead rank ends the step at once, instead of its peers
 waiting in a gloo collective for train.dist_timeout_s.
 
-Off SLURM there is no supervisor: submitit's local executor runs the ranks from its own controller process,
-which kills every task when one fails and has no hook to start them again (see the README).
+Off SLURM its twin is rlslurm/local_supervisor.py: submitit's local controller, deciding through `decide` here.
 """
 
 from __future__ import annotations

@@ -101,9 +101,12 @@ def ended(sub: launch.Submission, timeout_s: float = WAIT_S) -> str:
 def toy_config(path: Path, *, steps: int = 6, step_delay_s: float = 0.05, diag: dict | None = None,
                slurm: dict | None = None, checkpoint_interval: int = 1000) -> Path:
     """The toy job (jobs/toytrain.py), 2 ranks on this machine; with `slurm` (cluster: keys), the spine's het
-    job on the local Slurm instead: 1 train node (2 ranks) + 1 rollout node (tests/cluster/spine_util.py)."""
+    job on the local Slurm instead: 1 train node (2 ranks) + 1 rollout node (tests/cluster/spine_util.py).
+    Locally with train.max_restarts 0: these scenarios record how a failure ends a run, and the local
+    controller would otherwise start crashed ranks again (tests/integration/test_local_trainer_restart.py)."""
+    train = {"steps": steps, "step_delay_s": step_delay_s, **({} if slurm is not None else {"max_restarts": 0})}
     data = {"job": {"name": path.stem, "kind": "toy"}, "hardware": {"profile": "cpu", "nodes": 1, "gpus_per_node": 2},
-            "placement": {"mode": "colocate"}, "train": {"steps": steps, "step_delay_s": step_delay_s},
+            "placement": {"mode": "colocate"}, "train": train,
             "checkpoint": {"interval_steps": checkpoint_interval, "cost_s": 0.5}}
     if slurm is not None:
         data.update(hardware={"profile": "cpu", "nodes": 2, "gpus_per_node": 2},

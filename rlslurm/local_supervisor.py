@@ -1,0 +1,213 @@
+"""The local backend's trainer supervisor: submitit's local controller, with the SLURM supervisor's rules.
+
+    rlslurm submit job.yaml --backend local      # launch._submit_local runs its ranks through this controller
+
+Off SLURM, submitit's LocalExecutor runs the ranks from a controller process of its own (`python -m
+submitit.local._local`), which waits for every rank and starts them again only when one exits with its
+requeue code. So a SIGKILLed rank left its peers waiting in a gloo collective for train.dist_timeout_s, and
+the run ended. This controller is submitit's, with two changes taken from the SLURM path
+(rlslurm/slurm/supervisor.py, whose `decide` it calls):
+
+- the first rank that ends badly ends its peers at once (SIGTERM, then SIGKILL after `KILL_WAIT_S`): what
+  srun's `--kill-on-bad-exit=1` does to the trainer step;
+- a rank killed by a crash signal (SIGKILL, SIGSEGV, the OOM killer's SIGKILL) starts every rank again, up to
+  `train.max_restarts`, with the same `trainer_restarted` event and RLSLURM_TRAINER_RESTART; the new ranks
+  resume from the newest complete checkpoint. Past the budget the run ends as before: there is no queue to
+  go back to on one machine.
+
+Engines spawned by rank 0 (the local backend's separate placement) are its children: they end with it and
+the new rank 0 starts them again, as colocated engines do on SLURM. A SIGKILLed rank cannot stop them
+itself, so this controller is a child subreaper (what SLURM's proctrack is for a job step): whatever a rank
+leaves running becomes this process's child, and is ended once the ranks have ended (measured before it:
+a SIGKILLed rank 0's engine server ran on, reparented to init, after the run was done).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+from submitit.local.local import LOCAL_REQUEUE_RETURN_CODE, Controller, LocalExecutor, LocalJob
+
+from rlslurm import events
+from rlslurm.rundir import ENV_VAR, RunDir
+from rlslurm.slurm.parse import TaskEnd
+from rlslurm.slurm.supervisor import RESTART_ENV, decide
+
+log = logging.getLogger("rlslurm.local_supervisor")
+
+KILL_WAIT_S = 10.0
+"""Seconds the peers of a rank that ended badly get between SIGTERM and SIGKILL (SLURM's KillWait)."""
+
+
+def become_subreaper() -> bool:
+    """prctl(PR_SET_CHILD_SUBREAPER, 1): orphans of this process's descendants become its children (Linux)."""
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # 36: PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        return False
+
+
+def end_leftovers(grace_s: float = KILL_WAIT_S, rounds: int = 3) -> list[int]:
+    """End (SIGTERM, SIGKILL after grace_s) and reap every child of this process: after the ranks ended, what
+    they left running (an engine server, its workers). Returns their pids."""
+    import psutil
+
+    ended: list[int] = []
+    for _ in range(rounds):  # an ended engine's own orphans come to us too
+        left = psutil.Process().children()
+        if not left:
+            break
+        for proc in left:
+            with contextlib.suppress(psutil.Error):
+                proc.terminate()
+        _, alive = psutil.wait_procs(left, timeout=grace_s)
+        for proc in alive:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        psutil.wait_procs(alive, timeout=5)
+        ended += [p.pid for p in left]
+    if ended:
+        log.info("ended what the ranks left running: pids %s", ended)
+    return ended
+
+
+def task_ends(codes: Sequence[int | None], first: Sequence[int], node: str) -> list[TaskEnd]:
+    """Pure: the ranks' exit codes (Popen's: -N for signal N) as srun would report them, the ranks in
+    `first` (those that had ended badly when the controller first saw one) before the peers it ended."""
+    ends = []
+    for task in sorted(range(len(codes)), key=lambda k: k not in first):
+        code = codes[task]
+        if code is None or code == 0:
+            continue
+        if code < 0:
+            sig = signal.Signals(-code)
+            how, name = signal.strsignal(sig) or sig.name, sig.name
+        else:
+            how, name = f"Exited with exit code {code}", None
+        ends.append(TaskEnd(node=node, task=task, how=how, signal=name, after_step_signal=task not in first))
+    return ends
+
+
+class RestartingController(Controller):
+    """submitit's local Controller (start_tasks, kill_tasks, its timeout signal) run as the module says."""
+
+    def __init__(self, folder: Path):
+        super().__init__(folder)
+        self.stopping = False
+        self.first_bad: list[int] = []
+
+    def _forward_signal(self, signum, *args) -> None:
+        if signum == signal.SIGTERM:  # the user's cancel (LocalJob.cancel): no restart after it
+            self.stopping = True
+        super()._forward_signal(signum, *args)
+
+    def wait(self, freq: int = 24) -> Sequence[int | None]:
+        """Controller.wait (every rank's end, the timeout signal), and the first rank that ends badly ends the
+        others: SIGTERM at once, SIGKILL after KILL_WAIT_S."""
+        timeout, almost_timeout = freq * self.timeout_s, freq * (self.timeout_s - self.signal_delay_s)
+        self.first_bad, killed_at = [], None
+        for step in range(timeout):
+            codes = [t.poll() for t in self.tasks]
+            if all(c is not None for c in codes):
+                return codes
+            if not self.first_bad and any(c not in (None, 0) for c in codes):
+                self.first_bad = [k for k, c in enumerate(codes) if c not in (None, 0)]
+                log.info("rank(s) %s ended %s: ending the others", self.first_bad, [codes[k] for k in self.first_bad])
+                for t in self.tasks:
+                    if t.poll() is None:
+                        t.terminate()
+                killed_at = time.monotonic()
+            elif killed_at is not None and time.monotonic() - killed_at > KILL_WAIT_S:
+                for t in self.tasks:
+                    if t.poll() is None:
+                        t.kill()
+                killed_at = None
+            if step == almost_timeout:
+                super()._forward_signal(self._timeout_signal())
+            time.sleep(1.0 / freq)
+        return [t.poll() for t in self.tasks]
+
+    @staticmethod
+    def _timeout_signal() -> int:
+        from submitit.local.local import LocalJobEnvironment
+
+        return LocalJobEnvironment._usr_sig()
+
+    def run(self, max_retry: int = 6) -> None:
+        from rlslurm.config import load_config
+
+        run = RunDir(Path(os.environ[ENV_VAR]))
+        if not become_subreaper():
+            log.warning("not a child subreaper: what a killed rank leaves running outlives it")
+        max_restarts = load_config(run.config).train.max_restarts
+        restarts = requeues = 0
+        while True:
+            os.environ[RESTART_ENV] = str(restarts)  # start_tasks gives each rank this environment
+            started = time.time()
+            try:
+                self.start_tasks()
+                codes = self.wait()
+            finally:
+                self.kill_tasks()
+                end_leftovers()
+            ends = task_ends(codes, self.first_bad, socket.gethostname())
+            hang = any(e.get("t", 0) >= started for e in events.read_events(run, events.HANG_DETECTED))
+            verdict = decide(exit_code=0 if all(c == 0 for c in codes) else 1, ends=ends, stopping=self.stopping,
+                             job_state=None, hang=hang, lost=[], restarts=restarts, max_restarts=max_restarts)
+            log.info("ranks ended %s after %.1f s: %s (%s)", codes, time.time() - started, verdict.action,
+                     verdict.reason)
+            if verdict.action != "restart":
+                if any(c == LOCAL_REQUEUE_RETURN_CODE for c in codes) and requeues < max_retry:
+                    requeues += 1  # submitit's own local requeue (a rank asked for it), as its Controller.run does
+                    continue
+                return
+            restarts += 1
+            d = verdict.death
+            assert d is not None
+            events.emit(run, events.TRAINER_RESTARTED, role="supervisor", dead_rank=d.task, node=d.node,
+                        cause=d.how, signal=d.signal, trainer_restart=restarts, max_restarts=max_restarts,
+                        restart_count=0, srun_exit_code=1, step_s=time.time() - started)
+
+
+class RestartingLocalExecutor(LocalExecutor):
+    """submitit's LocalExecutor whose controller process is this module's."""
+
+    def _submit_command(self, command: str) -> LocalJob:
+        # LocalExecutor._submit_command and its start_controller, with this module as the controller:
+        # start_controller names submitit's own controller module and takes no other. No `setup` commands.
+        ntasks = self.parameters.get("tasks_per_node", 1)
+        n_gpus = self.parameters.get("gpus_per_node", 0)
+        visible = self.parameters.get("visible_gpus", ())
+        gpus = range(n_gpus) if visible == () else visible[:n_gpus]
+        env = {**os.environ, "SUBMITIT_LOCAL_NTASKS": str(ntasks), "SUBMITIT_LOCAL_COMMAND": command,
+               "SUBMITIT_LOCAL_TIMEOUT_S": str(int(60 * self.parameters.get("timeout_min", 2.0))),
+               "SUBMITIT_LOCAL_SIGNAL_DELAY_S": str(int(self.parameters.get("signal_delay_s", 30))),
+               "SUBMITIT_LOCAL_NODEID": "0", "SUBMITIT_LOCAL_JOB_NUM_NODES": "1",
+               "SUBMITIT_STDERR_TO_STDOUT": "1" if self.parameters.get("stderr_to_stdout", False) else "",
+               "SUBMITIT_EXECUTOR": "local", "CUDA_VISIBLE_DEVICES": ",".join(str(k) for k in gpus),
+               "SUBMITIT_LOCAL_WITH_SHELL": ""}
+        # The job (LocalJob) polls and ends this process, as it does submitit's controller.
+        process = subprocess.Popen([sys.executable, "-m", "rlslurm.local_supervisor", str(self.folder)], env=env)
+        return LocalJob(folder=self.folder, job_id=str(process.pid), process=process, tasks=list(range(ntasks)))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s supervisor %(name)s: %(message)s")
+    RestartingController(Path(args[0])).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
