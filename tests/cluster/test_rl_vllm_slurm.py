@@ -42,11 +42,7 @@ MODEL = {"hidden": 64, "heads": 2}
 """The embedded model with a head size of 32, the smallest vLLM's CPU attention serves."""
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _cancel_and_tidy_at_end(slurm_cluster):
-    yield
-    for line in su.cleanup():
-        print(f"\ncleanup: {line}")
+_cancel_and_tidy_at_end = rl._cancel_and_tidy_at_end  # autouse: this module's jobs cancelled, leftovers ended
 
 
 @pytest.fixture(scope="module")
