@@ -44,6 +44,8 @@ def llama_config(model: ModelConfig) -> LlamaConfig:
         num_hidden_layers=model.layers,
         num_attention_heads=model.heads,
         num_key_value_heads=model.n_kv_heads,
+        # model.head_dim may differ from hidden / heads (vLLM's CPU attention needs a head size >= 32).
+        head_dim=model.dim_per_head,
         max_position_embeddings=model.max_positions,
         tie_word_embeddings=model.tie_embeddings,
         bos_token_id=BOS_ID,

@@ -223,6 +223,10 @@ class Controller:
             self.start_experience(step, version, {})
         exp = self.pipeline.take(step, guard)
         exp.stats.update(stamp_staleness(exp, version, self.job.rl.max_staleness, step))
+        # The step's metrics line says which weights made its responses (each engine's version stamp) and the
+        # version the trainer takes them at: what a user checks that no sample came from other weights.
+        exp.stats.update(response_versions={str(v): n for v, n in sorted(exp.response_versions.items())},
+                         trained_at_version=version)
         return exp
 
     def sync_weights(self, weights: dict[str, torch.Tensor], *, step: int, version: int, guard: PhaseGuard) -> dict:

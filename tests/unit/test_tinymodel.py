@@ -31,6 +31,14 @@ def test_config_follows_model_section():
         (2, 32, 4, 2, 64, 24, 32, True)
 
 
+def test_head_dim_is_the_model_sections_not_hidden_over_heads():
+    # vLLM's CPU attention serves head sizes >= 32: model.head_dim gives the embedded model one at hidden 64.
+    wide = ModelConfig(layers=1, hidden=64, heads=4, head_dim=32, ffn_hidden=64, vocab=24, max_positions=32)
+    assert llama_config(wide).head_dim == 32 and llama_config(SMALL).head_dim == 8
+    attn = build_model(wide, seed=0).model.layers[0].self_attn
+    assert tuple(attn.q_proj.weight.shape) == (4 * 32, 64) and tuple(attn.o_proj.weight.shape) == (64, 4 * 32)
+
+
 def test_same_seed_same_weights_other_seed_other_weights():
     assert _equal(build_model(SMALL, seed=3), build_model(SMALL, seed=3))
     assert not _equal(build_model(SMALL, seed=3), build_model(SMALL, seed=4))
