@@ -88,8 +88,9 @@ RESUME = declare("resume", "a start of the job that resumed from the newest comp
                  optional=("trainer_restart",))
 TRAINER_RESTARTED = declare("trainer_restarted", "a trainer rank died by a signal (SIGKILL, segfault, OOM kill): "
                             "the trainer ranks start again as a new job step on the same nodes, from the newest "
-                            "complete checkpoint, the engines kept (train.max_restarts)",
-                            by="rlslurm/slurm/supervisor.py",
+                            "complete checkpoint, the engines kept (train.max_restarts); off SLURM every rank starts "
+                            "again under the local controller",
+                            by=("rlslurm/slurm/supervisor.py", "rlslurm/local_supervisor.py"),
                             required=("dead_rank", "node", "cause", "signal", "trainer_restart", "max_restarts",
                                       "restart_count", "srun_exit_code"), optional=("step_s",))
 TRAINER_RESTARTS_SPENT = declare("trainer_restarts_spent", "a trainer rank died by a signal and the allocation "
