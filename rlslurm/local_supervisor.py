@@ -44,6 +44,8 @@ from rlslurm.slurm.supervisor import RESTART_ENV, decide
 
 log = logging.getLogger("rlslurm.local_supervisor")
 
+LOG_NAME = "local-supervisor.log"
+"""<run>/logs/local-supervisor.log: what this controller decided after each end of the ranks."""
 KILL_WAIT_S = 10.0
 """Seconds the peers of a rank that ended badly get between SIGTERM and SIGKILL (SLURM's KillWait)."""
 
@@ -204,7 +206,12 @@ class RestartingLocalExecutor(LocalExecutor):
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s supervisor %(name)s: %(message)s")
+    if ENV_VAR not in os.environ:  # not an rlslurm job: no config, no budget; submitit's controller as it is
+        Controller(Path(args[0])).run()
+        return 0
+    # To a file: this process shares the submitter's stderr, which `rlslurm submit --wait` keeps for its message.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s supervisor %(name)s: %(message)s",
+                        filename=str(RunDir(Path(os.environ[ENV_VAR])).logs / LOG_NAME))
     RestartingController(Path(args[0])).run()
     return 0
 

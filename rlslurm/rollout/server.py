@@ -49,7 +49,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from rlslurm import secret, wire
-from rlslurm.rollout import schema
+from rlslurm.rollout import engine_guard, schema
 from rlslurm.rollout.batcher import AdmissionGate, Batcher, Dropped, Job, Limits
 from rlslurm.rollout.engine import Engine, HFEngine, SamplingParams, WeightLoadError
 from rlslurm.sync import disk, ipc
@@ -153,11 +153,11 @@ class EngineServer:
 def build_app(server: EngineServer, token: str, *, open_data: bool = False,
               max_body_bytes: int = 16 << 20, guard: Any = None) -> FastAPI:
     """The app of one engine: its routes behind the job's secret (rlslurm/wire.py). With a phase guard
-    (diag/guard.py) the engine beats from its serving loop (`_beats`)."""
+    (diag/guard.py) the engine beats from its serving loop (rollout/engine_guard.py)."""
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         server.batcher.start()
-        ticker = asyncio.create_task(_beats(guard)) if guard is not None else None
+        ticker = asyncio.create_task(engine_guard.beats(guard)) if guard is not None else None
         yield
         if ticker is not None:
             ticker.cancel()
@@ -317,34 +317,6 @@ def _error(status: int, message: str, headers: dict | None = None) -> JSONRespon
     return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status, headers=headers)
 
 
-async def _beats(guard) -> None:
-    """The engine's heartbeat: phase `rollout`, one progress beat per diag.heartbeat_interval_s from a task of
-    the serving loop, not a thread: a stopped (SIGSTOP) or wedged server stops beating, which is what the node
-    agent and `rlslurm diag` must see (its supervisor, rollout/supervisor.py, replaces it first)."""
-    with guard.phase("rollout"):
-        try:
-            while True:
-                guard.beat()
-                await asyncio.sleep(guard.config.heartbeat_interval_s)
-        except asyncio.CancelledError:  # the server stops: the phase ends, it did not fail
-            return
-
-
-def _guard(args):
-    """The phase guard of an engine started with --run-dir: role rollout, rank --rank (None without)."""
-    if args.run_dir is None:
-        return None
-    from pathlib import Path
-
-    from rlslurm.diag.config import DiagConfig
-    from rlslurm.diag.guard import PhaseGuard
-    from rlslurm.rundir import RunDir
-
-    diag = DiagConfig(heartbeat_interval_s=args.heartbeat_interval_s,
-                      phase_timeouts_s={"rollout": args.phase_timeout_s})
-    return PhaseGuard(RunDir(Path(args.run_dir)), "rollout", args.rank, diag)
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="Hugging Face model directory")
@@ -376,11 +348,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="deadline of one request, queued and generating (rollout.request_timeout_s)")
     p.add_argument("--stall-timeout-s", type=float, default=60.0,
                    help="/health is 503 when work is pending and no token came for this long (rollout.stall_timeout_s)")
-    p.add_argument("--run-dir", default=None, help="run directory: wear the phase guard (heartbeats) as role rollout")
-    p.add_argument("--rank", type=int, default=0, help="this engine's index among the job's (its heartbeat's rank)")
-    p.add_argument("--heartbeat-interval-s", type=float, default=1.0, help="diag.heartbeat_interval_s")
-    p.add_argument("--phase-timeout-s", type=float, default=300.0,
-                   help="the heartbeat's phase timeout the node agent judges it by (diag's for phase rollout)")
+    engine_guard.add_args(p)
     p.add_argument("--no-keep-previous", action="store_true",
                    help="do not keep a host copy of the weights for rollback (large models)")
     args = p.parse_args(argv)
@@ -403,7 +371,7 @@ def main(argv: list[str] | None = None) -> None:
     # `finally`, so the engine's child processes (vLLM) go with us.
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
-    guard = _guard(args)
+    guard = engine_guard.from_args(args.run_dir, args.rank, args.heartbeat_interval_s, args.phase_timeout_s)
     app = build_app(server, token, open_data=args.open_data_plane, max_body_bytes=int(args.max_body_mb * 2**20),
                     guard=guard)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",

@@ -33,13 +33,15 @@ import sys
 from pathlib import Path
 
 from rlslurm import secret, wire
+from rlslurm.rollout import engine_guard
 from rlslurm.rollout.client import EngineProcess, EngineRequestError
 
 GATE = "rlslurm.rollout.vllm_serve.SecretGate"
 WORKER_EXTENSION = "rlslurm.rollout.vllm_verify.WorkerChecks"
 DATA_PATHS = ("/v1/completions", "/v1/models")
 LIMITS_ENV = "RLSLURM_VLLM_LIMITS"
-"""JSON {"max_n", "max_tokens", "max_body_bytes", "open_data"}: the gate's bounds, set by the launcher."""
+"""JSON {"max_n", "max_tokens", "max_body_bytes", "open_data", "guard"}: the gate's bounds and the engine's phase
+guard (engine_guard.from_args's arguments), set by the launcher."""
 ADMIN_BODY_BYTES = 64 << 20  # an update's manifest of many tensors
 ENGINE_POLL_S = 0.5  # how often a /v1 request in flight asks whether vLLM's engine stopped
 
@@ -47,10 +49,14 @@ ENGINE_POLL_S = 0.5  # how often a /v1 request in flight asks whether vLLM's eng
 class SecretGate(wire.Protect):
     """ASGI middleware vLLM adds with `--middleware` (it passes only the app): the job's secret on every
     route but /health, bounded bodies, and n / max_tokens bounds on /v1 requests (a 400 naming the bound);
-    a /v1 request still in flight when vLLM's engine stops is ended (503), see `_until_engine_stops`."""
+    a /v1 request still in flight when vLLM's engine stops is ended (503), see `_until_engine_stops`.
+    In a job it also wears the engine's phase guard (rollout/engine_guard.py): the API server writes
+    heartbeats/rollout-<rank>.json from vLLM's own event loop, as the transformers engine does from its."""
 
     def __init__(self, app):
         limits = json.loads(os.environ.get(LIMITS_ENV) or "{}")
+        self.guard = engine_guard.from_args(**limits["guard"]) if limits.get("guard") else None
+        self._ticker: asyncio.Future | None = None
         self.max_n = int(limits.get("max_n", 64))
         self.max_tokens = int(limits.get("max_tokens", 4096))
         body = int(limits.get("max_body_bytes", 16 << 20))
@@ -61,6 +67,8 @@ class SecretGate(wire.Protect):
                          max_body_bytes=lambda path: body if path.startswith("/v1/") else ADMIN_BODY_BYTES)
 
     async def __call__(self, scope, receive, send):
+        if scope["type"] == "lifespan" and self.guard is not None:
+            return await self.inner(scope, self._beating(receive), send)
         # Default deny reaches WebSockets too (vLLM serves some, e.g. realtime audio): Protect passes every
         # scope that is not HTTP through, which suits rlslurm's own servers (they have none) but not vLLM's.
         if scope["type"] == "websocket":
@@ -68,6 +76,20 @@ class SecretGate(wire.Protect):
             if not secret.matches(presented.decode("latin-1") if presented else None, self.token):
                 return await send({"type": "websocket.close", "code": 1008})
         return await super().__call__(scope, receive, send)
+
+    def _beating(self, receive):
+        """`receive` of vLLM's lifespan, which starts the heartbeat at startup and ends it at shutdown."""
+        async def watched():
+            message = await receive()
+            if message["type"] == "lifespan.startup" and self._ticker is None:
+                self._ticker = asyncio.ensure_future(engine_guard.beats(self.guard))
+            elif message["type"] == "lifespan.shutdown" and self._ticker is not None:
+                self._ticker.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._ticker
+                self.guard.close()
+            return message
+        return watched
 
     async def _until_engine_stops(self, scope, receive, send):
         """vLLM 0.32 on SIGTERM stops its engine (in-flight requests aborted in the EngineCore) and then waits,
@@ -188,9 +210,12 @@ def limits_of(server_args: list[str]) -> dict:
     p.add_argument("--max-tokens", type=int, default=4096)
     p.add_argument("--max-body-mb", type=float, default=16.0)
     p.add_argument("--open-data-plane", action="store_true")
+    engine_guard.add_args(p)
     known, _ = p.parse_known_args(server_args)  # the rest (prompts per request, rows, ...) vLLM bounds itself
+    guard = {"run_dir": known.run_dir, "rank": known.rank, "heartbeat_interval_s": known.heartbeat_interval_s,
+             "phase_timeout_s": known.phase_timeout_s}
     return {"max_n": known.max_n, "max_tokens": known.max_tokens, "max_body_bytes": int(known.max_body_mb * 2**20),
-            "open_data": known.open_data_plane}
+            "open_data": known.open_data_plane, **({"guard": guard} if known.run_dir else {})}
 
 
 def _on_gpu() -> bool:

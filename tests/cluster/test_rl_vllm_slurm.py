@@ -78,7 +78,10 @@ def test_rl_het_job_on_vllm_serve(slurm_cluster, sft_export, tmp_path):
     # rollout venv, whose parent is the rollout component's task.
     su.wait_for("the engine's first verified sync", lambda: su.events(run, "sync_verified"), rl.JOB_TIMEOUT_S,
                 poll_s=0.25)
-    engine = json.loads((run / "endpoints" / "engine-0.json").read_text())
+    # The rollout task announces "serving" once its own readiness poll sees vLLM's /health, which under load can
+    # come after the controller's first sync through the same URL.
+    engine = su.wait_for("the engine announced serving", lambda: (e := json.loads(
+        (run / "endpoints" / "engine-0.json").read_text())).get("state") == "serving" and e, 60, poll_s=0.25)
     server = psutil.Process(engine["pid"])
     assert server.cmdline()[:3] == [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server"], server.cmdline()
     (task,) = su.placements(run, "rollout")

@@ -42,7 +42,9 @@ def supervised(vllm_python, tmp_path_factory):
     run = RunDir(root / "run").create()
     spec = EngineLaunch(model_dir=model, host="127.0.0.1", port=free_port(), log_path=run.logs / "engine-0.log",
                         secret_file=secret.ensure(run.secret), engine="vllm", python=str(vllm_python),
-                        args=("--max-n", "64", "--max-tokens", "4000"), env={"HF_HUB_OFFLINE": "1"},
+                        args=("--max-n", "64", "--max-tokens", "4000", "--run-dir", str(run.path), "--rank", "0",
+                              "--heartbeat-interval-s", "0.5", "--phase-timeout-s", "120"),
+                        env={"HF_HUB_OFFLINE": "1"},
                         ready_timeout_s=300.0)
     cfg = RolloutConfig(engine="vllm", max_restarts=1, hang_timeout_s=HANG_TIMEOUT_S, health_interval_s=0.5)
     sup = EngineSupervisor(0, spec, cfg, run=run, node="here").start()
@@ -67,6 +69,21 @@ def counters(engine) -> tuple[float, float]:
     """(requests running + waiting, tokens generated so far): vLLM's own /metrics."""
     samples = engine.client.metrics()
     return total(samples, RUNNING) + total(samples, WAITING), total(samples, GENERATED)
+
+
+def test_the_vllm_server_beats_as_role_rollout_from_its_own_event_loop(supervised):
+    """The engine's phase guard flags reach vLLM's API server (its gate): heartbeats/rollout-0.json carries that
+    server's pid, phase rollout, and beats on while it serves."""
+    from rlslurm.diag.heartbeat import read_heartbeat
+
+    path = supervised.run.heartbeats / "rollout-0.json"
+    first = wait_for("the engine's heartbeat", lambda: (b := read_heartbeat(path)) and b.get("phase") == "rollout"
+                     and b, 60, poll_s=0.2)
+    assert (first["pid"], first["role"], first["rank"], first["state"]) == (supervised.process.proc.pid, "rollout", 0,
+                                                                            "running"), first
+    later = wait_for("a later beat", lambda: (b := read_heartbeat(path)) and b["beats"] > first["beats"] and b, 30,
+                     poll_s=0.2)
+    assert later["pid"] == first["pid"]
 
 
 def test_a_disconnected_caller_is_aborted_inside_vllm(long_engine):
