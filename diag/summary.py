@@ -76,6 +76,17 @@ def current_attempt(events: list[dict]) -> tuple[list[dict], list[dict]]:
     return events[cut:], events[:cut]
 
 
+_STOPPING = re.compile(r"\[shutdown\] API server: shutdown triggered")
+"""vLLM's own line when its server was asked to stop (SIGTERM at the job's end, or its supervisor's stop)."""
+
+
+def before_stop(text: str) -> str:
+    """An engine log up to the stop it was asked for: vLLM's client can log EngineDeadError while it tears its
+    EngineCore down on a clean SIGTERM (measured on a COMPLETED job), which is no crash."""
+    m = _STOPPING.search(text)
+    return text[: m.start()] if m else text
+
+
 def _grep(logs: dict[str, str], pattern: re.Pattern, names: Callable[[str], bool] = lambda n: True):
     for name, text in sorted(logs.items()):
         if names(name):
@@ -294,7 +305,7 @@ def engine_causes(now_events: list[dict], logs: dict[str, str]) -> list[Cause]:
                           if e.get(k) is not None)
         return [Cause("engine_crash", f"rollout engine crash: {e.get('url')}{f' ({where})' if where else ''}: "
                       f"{e.get('cause')}", [f"engine log: {e['log']}"] if e.get("log") else [])]
-    hit = _grep(logs, _ENGINE, lambda n: "rollout" in n or "engine" in n)
+    hit = _grep({n: before_stop(t) for n, t in logs.items()}, _ENGINE, lambda n: "rollout" in n or "engine" in n)
     if hit:
         return [Cause("engine_crash", f"rollout engine crash: {hit[0]}: {hit[1].group(0)}")]
     return []

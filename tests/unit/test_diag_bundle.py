@@ -50,6 +50,12 @@ def _facts(**kw):
      "sync_failure", "lm_head.weight"),
     (_facts(logs={"rollout-0.log": "vllm.v1.engine.exceptions.EngineDeadError: engine died"}),
      "engine_crash", "rollout engine crash"),
+    # vLLM's own lines at a clean SIGTERM (a COMPLETED job's engine-0.log): the error after its stop is no crash.
+    (_facts(slurm_state="COMPLETED", logs={"engine-0.log": (
+        "(APIServer pid=30326) INFO 12-02 05:33:24 [launcher.py:254] [shutdown] API server: shutdown triggered\n"
+        "(APIServer pid=30326) ERROR 12-02 05:33:24 [async_llm.py:906] vllm.v1.engine.exceptions.EngineDeadError: "
+        "EngineCore encountered an issue. See stack trace (above) for the root cause.\n")}),
+     "finished", "finished OK"),
     (_facts(logs={"train-0.log": "rlslurm.errors.RewardServiceError: http://127.0.0.1:9 refused"}),
      "reward_down", "reward service down"),
     (_facts(env_errors=["torch differs between train and rollout"]), "env_mismatch", "env mismatch"),
