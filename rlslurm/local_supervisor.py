@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from submitit.local.local import LOCAL_REQUEUE_RETURN_CODE, Controller, LocalExecutor, LocalJob
+from submitit.local.local import LOCAL_REQUEUE_RETURN_CODE, Controller, LocalExecutor, LocalJob, LocalJobEnvironment
 
 from rlslurm import events
 from rlslurm.rundir import ENV_VAR, RunDir
@@ -136,15 +136,9 @@ class RestartingController(Controller):
                         t.kill()
                 killed_at = None
             if step == almost_timeout:
-                super()._forward_signal(self._timeout_signal())
+                super()._forward_signal(LocalJobEnvironment._usr_sig())
             time.sleep(1.0 / freq)
         return [t.poll() for t in self.tasks]
-
-    @staticmethod
-    def _timeout_signal() -> int:
-        from submitit.local.local import LocalJobEnvironment
-
-        return LocalJobEnvironment._usr_sig()
 
     def run(self, max_retry: int = 6) -> None:
         from rlslurm.config import load_config
