@@ -7,7 +7,7 @@ from typing import Literal
 
 from rlslurm.configfile import check, check_range
 
-PHASES = ("start", "data", "train", "checkpoint", "export", "rollout", "reward", "score", "advantage", "sync",
+PHASES = ("start", "data", "train", "eval", "checkpoint", "export", "rollout", "reward", "score", "advantage", "sync",
           "wait_experience", "idle")
 """Every phase a process reports through its phase guard (`guard.phase(name)`); diag.phase_timeouts_s names them."""
 

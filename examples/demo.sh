@@ -14,4 +14,18 @@ sft=$(ls -td "$root"/tiny-sft-* | head -n 1)
 rl=$(ls -td "$root"/tiny-grpo-* | head -n 1)
 "$rlslurm" status "$rl"
 "$rlslurm" report "$rl"     # report.png + report.html under $rl/report
-grep -h '"held_out_accuracy"\|"heldout_accuracy"' "$sft/metrics.jsonl" "$rl/metrics.jsonl" | tail -n 3
+# The result in one line: where SFT stopped, its held-out accuracy, RL's evaluations, the gain.
+py=$(dirname "$(command -v "$rlslurm")")/python
+[ -x "$py" ] || py=python3
+"$py" - "$sft/metrics.jsonl" "$rl/metrics.jsonl" <<'PY'
+import json, sys
+sft = [json.loads(line) for line in open(sys.argv[1])]
+rl = [json.loads(line) for line in open(sys.argv[2])]
+ev = next(r for r in sft if r.get("kind") == "sft_eval")
+dev = [r for r in sft if r.get("kind") == "sft_dev"]
+evals = [(r["step"], r["held_out_accuracy"]) for r in rl if "held_out_accuracy" in r]
+where = f"dev {dev[-1]['dev_accuracy']:.3f}" if dev else "no dev target"
+print(f"SFT stopped at step {ev['step']} ({where}): held-out {ev['heldout_accuracy']:.3f}; GRPO held-out "
+      + ", ".join(f"{a:.3f}@{s}" for s, a in evals)
+      + f"; gain {evals[-1][1] - ev['heldout_accuracy']:+.3f} on the same {ev['heldout_total']} problems")
+PY

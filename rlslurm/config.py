@@ -104,6 +104,9 @@ class JobConfig:
         if self.reward.service == "component":
             check(bool(self.reward.partition), "reward.partition",
                   "is required when reward.service = 'component' (the SLURM partition of the reward component)")
+        if self.job.kind == "sft" and self.train.stop_at_accuracy is not None:
+            check(self.task.dev_size > 0, "train.stop_at_accuracy",
+                  "needs a dev split to measure it on: set task.dev_size (e.g. 500), disjoint from train and held-out")
         for key, message in ignored_values(self):
             raise FieldError(key, message)
         if self.train.backend == "megatron":

@@ -209,7 +209,8 @@ def _rl_reward(job: "JobConfig") -> Iterator[Rule]:
 def _rl_train(job: "JobConfig") -> Iterator[Rule]:
     """jobs/rl.py reads train.steps, lr, grad_clip, weight_decay, seed, init_from and the timeouts; the batch
     and the schedule belong to SFT (jobs/sft.py) and the toy loop."""
-    for name, value in _changed(job.train, "batch_size", "lr_schedule", "warmup_steps"):
+    for name, value in _changed(job.train, "batch_size", "lr_schedule", "warmup_steps", "stop_at_accuracy",
+                                "eval_every_steps"):
         yield _ignored(f"train.{name}", value, "job.kind = 'rl'",
                        "a GRPO step trains on rl.prompts_per_step x rl.samples_per_prompt samples at train.lr",
                        "remove it")
@@ -225,3 +226,9 @@ def _sft(job: "JobConfig") -> Iterator[Rule]:
             ("placement.mode", pl.mode)
         yield _ignored(key, value, "job.kind = 'sft'", "an SFT job has no rollout: every node trains",
                        "remove it, or set placement.mode: colocate")
+    if job.train.stop_at_accuracy is None:
+        # task.dev_size is not reported: it defines the task's splits, which SFT and RL configs share as they are.
+        for name, value in _changed(job.train, "eval_every_steps"):
+            yield _ignored(f"train.{name}", value, "train.stop_at_accuracy = null",
+                           "the dev split is evaluated only to decide when SFT stops",
+                           "set train.stop_at_accuracy, or remove it")

@@ -9,6 +9,7 @@ so the CPU path and the GPU path are the same code.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 from dataclasses import dataclass
 
@@ -162,6 +163,19 @@ def bind_local_gpu(local_rank: int, required: bool = True) -> torch.device | Non
                            "gave it fewer")
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
+
+
+def release_process_group_users() -> None:
+    """Collective, before `destroy_process_group`: drop the last references that models hold to the group
+    while every peer is still connected, then meet once more.
+
+    DDP's Reducer holds the process group; freed only when the model was (after `destroy_process_group`, at
+    the function's return), it ran gloo's destructor there, which waits for the group's work queue to drain
+    and joins its threads: a finished run's rank 1 waited in it for good, its peer gone (CI, py-spy
+    --native: `~ProcessGroupGloo` -> `std::thread::join` from the Reducer's dealloc). Callers drop their own
+    references to the model first; the collection here frees what cycles still hold."""
+    gc.collect()
+    dist.barrier()
 
 
 def init_process_group(topo: Topology, timeout_s: float = 120.0, backend: str | None = None) -> None:

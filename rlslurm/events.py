@@ -86,6 +86,12 @@ START = declare("start", "a start of the job with no checkpoint to resume: train
 RESUME = declare("resume", "a start of the job that resumed from the newest complete checkpoint",
                  by="rlslurm/lifecycle.py", required=("step", "checkpoint", "restart_count"),
                  optional=("trainer_restart",))
+RANK_OUTLIVED_JOB = declare("rank_outlived_job", "a trainer rank was still running train.exit_grace_s after rank 0 "
+                            "exited 0 (after the final barrier: the job's work was done): it was ended (off SLURM "
+                            "its stacks dumped first; on SLURM by srun's own --wait) and the job counts as finished",
+                            by=("rlslurm/local_supervisor.py", "rlslurm/slurm/supervisor.py"),
+                            required=("stuck_rank", "grace_s", "ended"),
+                            optional=("pid", "node", "stack_file", "stack_method"))
 TRAINER_RESTARTED = declare("trainer_restarted", "a trainer rank died by a signal (SIGKILL, segfault, OOM kill): "
                             "the trainer ranks start again as a new job step on the same nodes, from the newest "
                             "complete checkpoint, the engines kept (train.max_restarts); off SLURM every rank starts "
@@ -116,8 +122,9 @@ SFT_START = declare("sft_start", "an SFT trainer rank started training", by="job
                     informational=True)
 SFT_EXPORT = declare("sft_export", "the SFT job wrote its HF export", by="jobs/sft.py", required=("path", "step"),
                      informational=True)
-SFT_FINISHED = declare("sft_finished", "an SFT trainer rank trained every step (rank 0: exported and evaluated)",
-                       by="jobs/sft.py", required=("step", "weights_sha256"), open_fields=True)
+SFT_FINISHED = declare("sft_finished", "an SFT trainer rank trained to its end: train.steps, or the dev-split target "
+                       "train.stop_at_accuracy (`stopped_by`; rank 0: exported and evaluated)",
+                       by="jobs/sft.py", required=("step", "weights_sha256", "stopped_by"), open_fields=True)
 FINISHED = (DONE, SFT_FINISHED)
 """The kinds a job emits when it trained to the end."""
 

@@ -13,7 +13,10 @@ the run ended. This controller is submitit's, with two changes taken from the SL
 - a rank killed by a crash signal (SIGKILL, SIGSEGV, the OOM killer's SIGKILL) starts every rank again, up to
   `train.max_restarts`, with the same `trainer_restarted` event and RLSLURM_TRAINER_RESTART; the new ranks
   resume from the newest complete checkpoint. Past the budget the run ends as before: there is no queue to
-  go back to on one machine.
+  go back to on one machine;
+- a rank still running `train.exit_grace_s` after rank 0 exited 0 (past the final barrier: the work is done,
+  what is left is teardown) has its stacks dumped, is ended and named (`rank_outlived_job`, `rlslurm status`),
+  and counts as finished: a teardown that hangs never holds a finished job.
 
 Engines spawned by rank 0 (the local backend's separate placement) are its children: they end with it and
 the new rank 0 starts them again, as colocated engines do on SLURM. A SIGKILLed rank cannot stop them
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import signal
 import socket
@@ -104,10 +108,42 @@ def task_ends(codes: Sequence[int | None], first: Sequence[int], node: str) -> l
 class RestartingController(Controller):
     """submitit's local Controller (start_tasks, kill_tasks, its timeout signal) run as the module says."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, run: RunDir | None = None, exit_grace_s: float = math.inf):
         super().__init__(folder)
         self.stopping = False
         self.first_bad: list[int] = []
+        self.run_dir, self.exit_grace_s = run, exit_grace_s
+
+    def end_outlivers(self, codes: list[int | None]) -> list[int | None]:
+        """The ranks still running train.exit_grace_s after rank 0 exited 0, named and ended; they count as
+        finished. Rank 0 exits 0 only after the final barrier that every rank reached (jobs/sft.py,
+        rlslurm/rl/loop.py), so what such a rank still does is teardown: measured once in CI, rank 1 waited for
+        good in gloo's process-group destructor after the run was done."""
+        from rlslurm.diag.stack_dump import dump_stack
+
+        out = list(codes)
+        for k, task in enumerate(self.tasks):
+            if out[k] is not None:
+                continue
+            stack_file = self.run_dir.path / "stacks" / f"outlived-rank{k}-pid{task.pid}.txt"
+            dump = dump_stack(task.pid, timeout_s=10.0)
+            stack_file.parent.mkdir(parents=True, exist_ok=True)
+            stack_file.write_text(dump.text)
+            task.terminate()
+            try:
+                task.wait(timeout=KILL_WAIT_S)
+                ended = "SIGTERM"
+            except subprocess.TimeoutExpired:
+                task.kill()
+                task.wait()
+                ended = "SIGTERM, SIGKILL"
+            log.warning("rank %d (pid %d) still ran %.0f s after rank 0 exited 0: ended (%s), stacks in %s",
+                        k, task.pid, self.exit_grace_s, ended, stack_file)
+            events.emit(self.run_dir, events.RANK_OUTLIVED_JOB, role="supervisor", rank=k, stuck_rank=k,
+                        pid=task.pid, grace_s=self.exit_grace_s, ended=ended, stack_file=str(stack_file),
+                        stack_method=dump.method)
+            out[k] = 0
+        return out
 
     def _forward_signal(self, signum, *args) -> None:
         if signum == signal.SIGTERM:  # the user's cancel (LocalJob.cancel): no restart after it
@@ -118,11 +154,15 @@ class RestartingController(Controller):
         """Controller.wait (every rank's end, the timeout signal), and the first rank that ends badly ends the
         others: SIGTERM at once, SIGKILL after KILL_WAIT_S."""
         timeout, almost_timeout = freq * self.timeout_s, freq * (self.timeout_s - self.signal_delay_s)
-        self.first_bad, killed_at = [], None
+        self.first_bad, killed_at, rank0_done_at = [], None, None
         for step in range(timeout):
             codes = [t.poll() for t in self.tasks]
             if all(c is not None for c in codes):
                 return codes
+            if codes[0] == 0 and rank0_done_at is None:
+                rank0_done_at = time.monotonic()
+            if rank0_done_at is not None and time.monotonic() - rank0_done_at > self.exit_grace_s:
+                return self.end_outlivers(codes)
             if not self.first_bad and any(c not in (None, 0) for c in codes):
                 self.first_bad = [k for k, c in enumerate(codes) if c not in (None, 0)]
                 log.info("rank(s) %s ended %s: ending the others", self.first_bad, [codes[k] for k in self.first_bad])
@@ -206,7 +246,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # To a file: this process shares the submitter's stderr, which `rlslurm submit --wait` keeps for its message.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s supervisor %(name)s: %(message)s",
                         filename=str(RunDir(Path(os.environ[ENV_VAR])).logs / LOG_NAME))
-    RestartingController(Path(args[0])).run()
+    from rlslurm.config import load_config
+
+    run = RunDir(Path(os.environ[ENV_VAR]))
+    RestartingController(Path(args[0]), run, load_config(run.config).train.exit_grace_s).run()
     return 0
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import yaml
 
 from rlslurm.errors import SlurmCommandError, SlurmParseError
-from rlslurm.events import BASE_FIELDS, TRAINER_RESTARTED
+from rlslurm.events import BASE_FIELDS, RANK_OUTLIVED_JOB, TRAINER_RESTARTED
 from rlslurm.progress import Progress
 from rlslurm.rundir import RunDir, find_run, read_jsonl, submitted_backend
 
@@ -42,6 +42,8 @@ class Status:
     """Nodes a requeue asked SLURM to keep the job off, and its answer (<run>/excluded_nodes.json, slurm/rejoin.py)."""
     trainer_restarts: list[dict] = field(default_factory=list)
     """This allocation's `trainer_restarted` events: trainer ranks restarted in place (rlslurm/slurm/supervisor.py)."""
+    outlived: list[dict] = field(default_factory=list)
+    """`rank_outlived_job` events: ranks still running train.exit_grace_s after rank 0's clean exit, ended."""
 
 
 def slurm_components(job_id: str) -> list[dict]:
@@ -112,6 +114,7 @@ def collect(target: str, run_root: str | Path | None = None) -> Status:
     status.ops = ops_problems(all_events)
     status.trainer_restarts = [e for e in all_events if TRAINER_RESTARTED.matches(e)
                                and e.get("restart_count") == status.restarts]
+    status.outlived = [e for e in all_events if RANK_OUTLIVED_JOB.matches(e)]
     status.progress = Progress(run, total_steps=_total_steps(run)).poll()
     from rlslurm.slurm.rejoin import EXCLUDED
 
@@ -173,6 +176,10 @@ def render(status: Status) -> str:
         lines.append(f"trainer restarted in this allocation: {len(status.trainer_restarts)} of "
                      f"{last.get('max_restarts')} (last: rank {last.get('dead_rank')} on {last.get('node')}, "
                      f"{last.get('cause')})")
+    for e in status.outlived:
+        lines.append(f"rank {e.get('stuck_rank')} (pid {e.get('pid')}) outlived the finished job by "
+                     f"{e.get('grace_s')} s (train.exit_grace_s) and was ended ({e.get('ended')}); "
+                     f"stacks: {e.get('stack_file')}")
     for x in status.excluded:
         what = (f"lost at restart {x.get('restart_count')} ({x.get('state')}: {x.get('reason')})")
         if x.get("excluded"):

@@ -30,6 +30,12 @@ class TrainConfig:
     """After warmup: constant = stay at train.lr; cosine = decay to 0 at train.steps (SFT)."""
     warmup_steps: int = 0
     """Steps of linear warmup from 0 to train.lr (SFT), fewer than train.steps. Range [0, 1e8]."""
+    stop_at_accuracy: float | None = None
+    """SFT: stop once greedy accuracy on the task's dev split (task.dev_size) reaches this, checked every
+    train.eval_every_steps; train.steps is then the most steps. Where a run stops on a steep learning curve
+    moves with the CPU's kernel path and the seed; a target does not. null = run train.steps. Range (0, 1]."""
+    eval_every_steps: int = 25
+    """SFT: optimizer steps between two dev-split evaluations of train.stop_at_accuracy. Range [1, 1e8]."""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay. Range [0, 10]."""
     dist_timeout_s: float = 1800.0
@@ -39,6 +45,11 @@ class TrainConfig:
     step_delay_s: float = 0.0
     """Idle seconds per step standing in for compute (toy, sft and rl jobs), so spine tests can signal mid-run.
     Range [0, 3600]."""
+    exit_grace_s: float = 120.0
+    """Seconds a trainer rank may outlive rank 0's clean exit (0 only after the final barrier every rank
+    reached, so the job's work is done) before it is named (`rank_outlived_job`, its stack dumped) and ended:
+    a teardown that hangs (gloo's destructor waiting on work a gone peer never matches) never holds a finished
+    job. Range (0, 86400]."""
     max_restarts: int = 2
     """Restarts of the trainer ranks inside one SLURM allocation after a rank dies by a signal (SIGKILL,
     segfault, OOM kill): a new job step on the same nodes, resumed from the newest complete checkpoint, the
@@ -56,6 +67,10 @@ class TrainConfig:
         check(0 <= self.warmup_steps < self.steps, "warmup_steps",
               f"must be >= 0 and less than train.steps = {self.steps}")
         check_range(self.weight_decay, "weight_decay", 0, 10)
+        if self.stop_at_accuracy is not None:
+            check_range(self.stop_at_accuracy, "stop_at_accuracy", 0, 1, low_open=True)
+        check_range(self.eval_every_steps, "eval_every_steps", 1, 10**8)
         check_range(self.dist_timeout_s, "dist_timeout_s", 0, 86_400, low_open=True, note="seconds")
         check_range(self.step_delay_s, "step_delay_s", 0, 3600, note="seconds")
         check_range(self.max_restarts, "max_restarts", 0, 100)
+        check_range(self.exit_grace_s, "exit_grace_s", 0, 86_400, low_open=True, note="seconds")

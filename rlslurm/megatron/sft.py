@@ -171,6 +171,15 @@ class MegatronSFTState:
             digest.update(tensor.contiguous().numpy().tobytes())
         return digest.hexdigest()
 
+    def eval_model(self):
+        """Collective: the transformers model holding the current weights on rank 0 (gathered over TP), None on
+        the other ranks: what the dev split's greedy decode reads (jobs/sft.py StopAtTarget)."""
+        tensors = self._hf_tensors()
+        if not self.topo.is_main:
+            return None
+        self.hf.load_state_dict(tensors, strict=False)
+        return self.hf
+
     def export(self, directory: Path, max_new_tokens: int):
         """Collective: the HF directory an engine loads; rank 0 writes it and gets (path, the transformers
         model loaded back from it), the other ranks (None, None)."""

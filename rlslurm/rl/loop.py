@@ -38,7 +38,7 @@ from rlslurm.config import JobConfig
 from rlslurm.diag.drain_gate import DrainGate, agreed_reason
 from rlslurm.diag.env_diff import write_fingerprint
 from rlslurm.diag.guard import PhaseGuard
-from rlslurm.dist import Topology, compute_device, init_process_group
+from rlslurm.dist import Topology, compute_device, init_process_group, release_process_group_users
 from rlslurm.errors import RlslurmError
 from rlslurm.lifecycle import ExitCode
 from rlslurm.rl.checkpointing import resume_point, save
@@ -78,6 +78,8 @@ def run(job: JobConfig, run_dir: str | Path) -> int:
             # Leave together (done or drained): a rank tearing gloo down while a peer still talks to
             # the store that rank 0 hosts aborted with "terminate called without an active exception".
             dist.barrier()
+            del policy
+            release_process_group_users()
             return code
     finally:
         if controller is not None:

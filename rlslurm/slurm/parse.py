@@ -262,6 +262,36 @@ class TaskEnd:
     """Reported after srun began terminating the step (--kill-on-bad-exit): a peer it ended, not a cause."""
 
 
+_SRUN_WAIT_FIRED = re.compile(r"^srun: First task exited (\d+)s ago\s*$")
+_SRUN_WAIT_TASKS = re.compile(r"^srun: StepId=\S+ tasks? (?P<tasks>[\d,\-]+): (?P<state>running|exited)\s*$")
+
+
+@dataclass(frozen=True)
+class WaitExpired:
+    """srun's `--wait=S` fired: S seconds after the step's first task exited, some still ran and srun ended them."""
+
+    after_s: int
+    exited: tuple[int, ...]
+    running: tuple[int, ...]
+    """The tasks srun then terminated."""
+
+
+def srun_wait_expired(text: str) -> WaitExpired | None:
+    """srun's report that its `--wait` ran out (`First task exited 4s ago`, then `StepId=J.S tasks 1-3: running`
+    and `task 0: exited`; captured: tests/unit/slurm_outputs/srun_wait_expired*.stderr.txt), or None."""
+    fired, exited, running = None, [], []
+    for line in text.splitlines():
+        line = line.strip()
+        if (m := _SRUN_WAIT_FIRED.match(line)) and fired is None:
+            fired = int(m.group(1))
+        elif fired is not None and (m := _SRUN_WAIT_TASKS.match(line)):
+            tasks = [int(t[1:]) for t in expand_nodelist(f"t[{m.group('tasks')}]")]
+            (running if m.group("state") == "running" else exited).extend(tasks)
+    if fired is None:
+        return None
+    return WaitExpired(after_s=fired, exited=tuple(sorted(exited)), running=tuple(sorted(running)))
+
+
 def srun_task_ends(text: str) -> list[TaskEnd]:
     """Every `srun: error: NODE: task N: HOW` line of srun's stderr, in order. With --kill-on-bad-exit the
     first task that ended badly is the cause; srun then terminates the step (`_step_signal: Terminating

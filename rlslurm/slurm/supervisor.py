@@ -26,7 +26,10 @@ them), arms the lost-node triggers (rlslurm/slurm/rejoin.py), then runs the trai
   contract (rlslurm/lifecycle.py) applies as before.
 
 `--kill-on-bad-exit=1` on the trainer step: one dead rank ends the step at once, instead of its peers
-waiting in a gloo collective for train.dist_timeout_s.
+waiting in a gloo collective for train.dist_timeout_s. `--wait=train.exit_grace_s`, added here to the step's
+srun: a rank still running that long after the first clean exit (rank 0's, past the final barrier: the work is
+done) is ended by srun, named (`rank_outlived_job`) and the step counts as ended 0: a teardown that hangs (gloo's
+process-group destructor, seen once in CI) never holds a finished job.
 
 Off SLURM its twin is rlslurm/local_supervisor.py: submitit's local controller, deciding through `decide` here.
 """
@@ -159,12 +162,21 @@ def train_nodes(env: dict[str, str] | None = None) -> list[str]:
     return parse.expand_nodelist(e.get("SLURM_JOB_NODELIST_HET_GROUP_0") or e.get("SLURM_JOB_NODELIST") or "")
 
 
+def with_exit_wait(argv: Sequence[str], exit_grace_s: float) -> list[str]:
+    """The trainer step's srun argv with `--wait=exit_grace_s` (SLURM's own bound on tasks that outlive the
+    first one's exit), unless the argv is not an srun or already says --wait."""
+    argv = list(argv)
+    if not argv or os.path.basename(argv[0]) != "srun" or any(a.startswith(("--wait", "-W")) for a in argv):
+        return argv
+    return [argv[0], f"--wait={max(1, int(exit_grace_s))}", *argv[1:]]
+
+
 class TrainerSupervisor:
     """The loop of the module docstring, for one allocation."""
 
     def __init__(self, run: RunDir, job, step_argv: Sequence[str], *,
                  show_node: Callable[[str], list[dict]] = commands.show_node):
-        self.run, self.job, self.step_argv = run, job, list(step_argv)
+        self.run, self.job, self.step_argv = run, job, with_exit_wait(step_argv, job.train.exit_grace_s)
         self.show_node = show_node
         self.stopping = False
         self.leader = lifecycle.leader_job_id()
@@ -201,6 +213,8 @@ class TrainerSupervisor:
                 step = SrunStep(self.step_argv, {**os.environ, RESTART_ENV: str(restarts)})
                 code, stderr = step.wait()
                 ends = parse.srun_task_ends(stderr)
+                if code != 0 and not self.stopping and self._outlived(stderr, ends):
+                    code = 0
                 hang = any(e.get("t", 0) >= started for e in events.read_events(self.run, events.HANG_DETECTED))
                 lost = (lifecycle.lost_nodes(train_nodes(), self.restart_count, self.show_node)
                         if code != 0 and not self.stopping else [])
@@ -223,6 +237,22 @@ class TrainerSupervisor:
                 for comp in components:
                     comp.stop(timeout_s=30)
         return code
+
+    def _outlived(self, stderr: str, ends: Sequence[parse.TaskEnd]) -> bool:
+        """Whether srun's --wait ended ranks that outlived rank 0's clean exit (then each is named); with
+        --kill-on-bad-exit a bad exit ends the step before the wait starts, so `First task exited` is a clean one."""
+        wait = parse.srun_wait_expired(stderr)
+        bad = {e.task for e in ends if e.task in (wait.exited if wait else ())}
+        if wait is None or 0 not in wait.exited or bad or not wait.running:
+            return False
+        for task in wait.running:
+            end = next((e for e in ends if e.task == task), None)
+            events.emit(self.run, events.RANK_OUTLIVED_JOB, role="supervisor", rank=task, stuck_rank=task,
+                        node=end.node if end else None, grace_s=self.job.train.exit_grace_s,
+                        ended=f"srun --wait={wait.after_s}: {end.how if end else 'terminated'}")
+        log.warning("ranks %s still ran %d s after rank 0 exited: srun ended them; the step counts as ended 0",
+                    list(wait.running), wait.after_s)
+        return True
 
     def _death(self, verdict: Verdict) -> dict:
         d = verdict.death

@@ -77,13 +77,24 @@ def all_problems(max_operand: int, operations: tuple[str, ...]) -> list[Problem]
 
 def make_splits(task: TaskConfig) -> tuple[list[Problem], list[Problem]]:
     """(train, held_out): deterministic from task.seed, disjoint by construction."""
+    problems = _shuffled(task)
+    train = problems[: task.train_size]
+    held_out = problems[task.train_size : task.train_size + task.eval_size]
+    return train, held_out
+
+
+def make_dev(task: TaskConfig) -> list[Problem]:
+    """The dev split (task.dev_size problems after train and held-out): what decides when SFT stops."""
+    start = task.train_size + task.eval_size
+    return _shuffled(task)[start : start + task.dev_size]
+
+
+def _shuffled(task: TaskConfig) -> list[Problem]:
     problems = all_problems(task.max_operand, task.operations)
     # random.Random(seed).shuffle is stable across Python versions for an int seed, so splits written
     # down today are the splits a requeued job regenerates tomorrow.
     random.Random(task.seed).shuffle(problems)
-    train = problems[: task.train_size]
-    held_out = problems[task.train_size : task.train_size + task.eval_size]
-    return train, held_out
+    return problems
 
 
 def normalize(response: str) -> str:

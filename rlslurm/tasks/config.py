@@ -29,6 +29,9 @@ class TaskConfig:
     """Generated training problems. Range [1, 1000000]."""
     eval_size: int = 200
     """Generated held-out problems (disjoint from train). Range [1, 1000000]."""
+    dev_size: int = 0
+    """Generated problems that decide when SFT stops (train.stop_at_accuracy), disjoint from train and
+    held-out, so the held-out number is never the one a run was stopped on; 0 = none. Range [0, 1000000]."""
     seed: int = 1234
     """Seed of the data generator: the same seed gives the same splits on every rank and every run.
     Range [0, 4294967295]."""
@@ -49,11 +52,13 @@ class TaskConfig:
         check(len(self.operations) >= 1, "operations", "must name at least one of '+', '-'")
         for name in ("train_size", "eval_size"):
             check_range(getattr(self, name), name, 1, 1_000_000, note="problems")
+        check_range(self.dev_size, "dev_size", 0, 1_000_000, note="problems")
         check_range(self.seed, "seed", 0, 2**32 - 1)
         check_text(self.chat_question, "chat_question", 2000, lines=True)
         total = distinct_problems(self.max_operand, self.operations)
-        check(self.train_size + self.eval_size <= total, "train_size",
-              f"+ task.eval_size = {self.eval_size} exceeds the {total} distinct problems that "
+        dev = f" + task.dev_size = {self.dev_size}" if self.dev_size else ""
+        check(self.train_size + self.eval_size + self.dev_size <= total, "train_size",
+              f"+ task.eval_size = {self.eval_size}{dev} exceeds the {total} distinct problems that "
               f"task.max_operand = {self.max_operand} and task.operations = {list(self.operations)} allow "
               f"(the splits must be disjoint)")
         try:

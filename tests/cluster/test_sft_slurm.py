@@ -27,13 +27,13 @@ INTERVAL = 10
 JOB_TIMEOUT_S = 240
 
 
-def sft_config(path: Path, run_root: Path, *, backend: str, step_delay_s: float = 0.0) -> Path:
+def sft_config(path: Path, run_root: Path, *, backend: str, step_delay_s: float = 0.0, **train) -> Path:
     path.write_text(yaml.safe_dump({
         "job": {"name": path.stem, "kind": "sft"},
         "placement": {"mode": "colocate"},
         "hardware": {"profile": "cpu", "nodes": 1, "gpus_per_node": 2},
         "train": {"steps": STEPS, "lr": 3.0e-3, "batch_size": 16, "warmup_steps": 5, "lr_schedule": "cosine",
-                  "seed": 0, "dist_timeout_s": 600, "step_delay_s": step_delay_s},
+                  "seed": 0, "dist_timeout_s": 600, "step_delay_s": step_delay_s, **train},
         "task": {"train_size": 400, "eval_size": 20, "seed": 1234},
         "checkpoint": {"interval_steps": INTERVAL, "cost_s": 0.5, "kill_wait_s": su.KILL_WAIT_S},
         "cluster": {"backend": backend, "time_limit_min": 5, "run_root": str(run_root)},
@@ -92,3 +92,42 @@ def test_sft_requeued_by_slurm_resumes_and_ends_like_the_run_off_slurm(slurm_clu
     print(f"\nMEASURE SFT scontrol requeue at step {drained['step']}: requeue -> training again "
           f"{first - requeued_at:.2f} s (SLURM requeue -> processes start {started - requeued_at:.2f} s, "
           f"start -> first step {first - started:.2f} s)")
+
+
+HOLD_RANK_1_AT_EXIT = """
+import atexit, os, sys, time
+
+def _hold():
+    if sys.argv and sys.argv[0].endswith(os.path.join("submitit", "core", "_submit.py")):
+        open(os.environ["RLSLURM_TEST_HELD"], "w").write(str(os.getpid()))
+        time.sleep(3600)  # stands in for a teardown that never returns
+
+if os.environ.get("SLURM_PROCID") == "1":
+    atexit.register(_hold)
+"""
+
+
+def test_a_rank_that_outlives_the_finished_job_is_ended_by_srun_wait_and_named(slurm_cluster, tmp_path, monkeypatch):
+    """Issue 26 part 4 on SLURM: rank 1 is held at interpreter exit after its entrance returned (a sitecustomize
+    on PYTHONPATH; the job's code is unchanged). srun's --wait=train.exit_grace_s (the trainer supervisor adds
+    it) ends it; the supervisor names it (`rank_outlived_job`) and the job ends COMPLETED, not FAILED."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(HOLD_RANK_1_AT_EXIT)
+    held = tmp_path / "held.pid"
+    monkeypatch.setenv("PYTHONPATH", f"{site}:{Path(__file__).resolve().parents[2]}")
+    monkeypatch.setenv("RLSLURM_TEST_HELD", str(held))
+    grace_s = 5
+    sub = su.submit(sft_config(tmp_path / "sft-held.yaml", tmp_path / "runs", backend="slurm", exit_grace_s=grace_s))
+    su.wait_for(f"SFT job {sub.job_id} ended", lambda: su.state(sub.job_id) in ("COMPLETED", "FAILED", "CANCELLED"),
+                JOB_TIMEOUT_S, on_poll=slurm_cluster.kick, poll_s=0.5)
+    assert held.exists(), "rank 1 was never held at exit: the test planted nothing"
+    assert su.state(sub.job_id) == "COMPLETED"
+    (outlived,) = su.events(sub.run_dir, "rank_outlived_job")
+    assert outlived["stuck_rank"] == 1 and outlived["grace_s"] == grace_s
+    assert outlived["ended"].startswith("srun --wait=5") and outlived["node"], outlived
+    finished = su.events(sub.run_dir, "sft_finished")
+    assert sorted(e["rank"] for e in finished) == [0, 1]
+    import psutil
+
+    assert not psutil.pid_exists(int(held.read_text()))

@@ -66,14 +66,26 @@ def sft_run(tmp_path_factory) -> dict:
 def test_both_ranks_finish_with_identical_weights(sft_run):
     finished = read_events(sft_run["run"], "sft_finished")
     assert sorted(e["rank"] for e in finished) == list(range(WORLD))
-    job = sft_run["job"]
-    assert all(e["step"] == job.train.steps for e in finished)
+    assert len({e["step"] for e in finished}) == 1, finished
     assert len({e["weights_sha256"] for e in finished}) == 1, finished
+
+
+def test_stops_at_the_dev_target_and_records_each_evaluation(sft_run):
+    """train.stop_at_accuracy: every rank stops at the first evaluation (every train.eval_every_steps) whose
+    dev-split accuracy reaches the target, well inside train.steps; the held-out split is not the dev one."""
+    job, rows = sft_run["job"], read_jsonl(sft_run["run"].metrics)
+    (finished, *_) = read_events(sft_run["run"], "sft_finished")
+    dev = [r for r in rows if r["kind"] == "sft_dev"]
+    assert [r["step"] for r in dev] == list(range(job.train.eval_every_steps, finished["step"] + 1,
+                                                  job.train.eval_every_steps))
+    assert dev[-1]["dev_accuracy"] >= job.train.stop_at_accuracy > max(r["dev_accuracy"] for r in dev[:-1])
+    assert finished["stopped_by"] == "stop_at_accuracy" and finished["step"] < job.train.steps
 
 
 def test_loss_decreases(sft_run):
     steps = [r for r in read_jsonl(sft_run["run"].metrics) if r["kind"] == "sft_step"]
-    assert [r["step"] for r in steps] == list(range(1, sft_run["job"].train.steps + 1))
+    (finished, *_) = read_events(sft_run["run"], "sft_finished")
+    assert [r["step"] for r in steps] == list(range(1, finished["step"] + 1))
     first = sum(r["loss"] for r in steps[:20]) / 20
     last = sum(r["loss"] for r in steps[-20:]) / 20
     assert last < 0.5 * first, (first, last)

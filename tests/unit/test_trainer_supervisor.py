@@ -47,6 +47,32 @@ def verdict(**over):
     return decide(**kw)
 
 
+@pytest.mark.parametrize("name, running, ends_how", [
+    ("srun_wait_expired", (1,), {1: "Killed"}),
+    ("srun_wait_expired_4tasks", (1, 2, 3), {1: "Killed", 2: "Exited with exit code 137", 3: "Killed"}),
+])
+def test_srun_wait_names_the_ranks_that_outlived_rank_0s_clean_exit(name, running, ends_how):
+    """`srun --wait=3` of tasks that outlive task 0's exit 0 (real captures): who exited, who srun then ended."""
+    text = (OUT / f"{name}.stderr.txt").read_text()
+    wait = parse.srun_wait_expired(text)
+    assert wait == parse.WaitExpired(after_s=3, exited=(0,), running=running)
+    assert {e.task: e.how for e in parse.srun_task_ends(text)} == ends_how
+
+
+def test_no_wait_report_without_srun_saying_so():
+    for name in ("sigkill", "segv", "exit3"):
+        assert parse.srun_wait_expired((OUT / f"srun_kill_on_bad_exit_{name}.stderr.txt").read_text()) is None
+    assert parse.srun_wait_expired("srun: StepId=3.0 task 1: running\n") is None  # no `First task exited` line
+
+
+def test_the_trainer_step_gets_srun_wait_of_the_exit_grace():
+    from rlslurm.slurm.supervisor import with_exit_wait
+
+    assert with_exit_wait(["srun", "--unbuffered", "python", "-m", "x"], 120.0)[:2] == ["srun", "--wait=120"]
+    assert with_exit_wait(["/usr/bin/srun", "--wait=9", "python"], 120.0) == ["/usr/bin/srun", "--wait=9", "python"]
+    assert with_exit_wait(["python", "-m", "x"], 120.0) == ["python", "-m", "x"]
+
+
 def test_a_rank_killed_by_a_signal_is_restarted_within_the_budget_then_requeued():
     v = verdict()
     assert v.action == "restart" and v.death.task == 1 and "restart 1 of 2" in v.reason
