@@ -56,7 +56,7 @@ class LoggingConfig:
     wandb_project: str = "rlslurm"
     """The Weights & Biases project the run belongs to (1 to 64 letters, digits, '.', '_' or '-')."""
     wandb_name: str | None = None
-    """The run's name in Weights & Biases; null = the run directory's name (job name, time, job id)."""
+    """The run's name in Weights & Biases; null = the run directory's name (job name and submit time)."""
 
     def __post_init__(self):
         check_name(self.wandb_project, "wandb_project", "it names the Weights & Biases project")
@@ -77,12 +77,14 @@ def numeric(record: dict) -> dict[str, float]:
 
 
 class _TensorBoard:
-    """Event files under <run>/tensorboard/; flushed every step, so a killed job keeps what it wrote."""
+    """Event files under <run>/tensorboard/; flushed every step, so a killed job keeps what it wrote. A
+    requeued or resumed job writes a new file beside the old ones, purging their points from its first step
+    on (the steps after the checkpoint it resumed from are made again), so each step shows once."""
 
-    def __init__(self, run: RunDir, config: LoggingConfig):
+    def __init__(self, run: RunDir, config: LoggingConfig, first_step: int):
         from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package (checked at load)
 
-        self.writer = SummaryWriter(log_dir=str(run.path / "tensorboard"))
+        self.writer = SummaryWriter(log_dir=str(run.path / "tensorboard"), purge_step=first_step)
 
     def write(self, step: int, values: dict[str, float], wall_time: float | None) -> None:
         for name, value in values.items():
@@ -97,11 +99,10 @@ class _WandB:
     """An offline Weights & Biases run under <run>/wandb/; one id per run directory, so a requeued job's
     steps continue the same run when synced."""
 
-    def __init__(self, run: RunDir, config: LoggingConfig):
+    def __init__(self, run: RunDir, config: LoggingConfig, first_step: int):
         os.environ["WANDB_MODE"] = "offline"  # compute nodes often have no internet; `wandb sync` uploads later
         import wandb
 
-        self.wandb = wandb
         self.run = wandb.init(project=config.wandb_project, name=config.wandb_name or run.path.name,
                               id=_wandb_id(run.path.name), resume="allow", dir=str(run.path), mode="offline")
 
@@ -136,26 +137,32 @@ class MetricsLog:
         self.run.append_json(self.run.metrics, record)  # the source of truth, before any sink
         if self.sinks is None:
             self.sinks = {}
-            for key, sink in SINKS.items():
+            for key, make in SINKS.items():
                 if getattr(self.config, key):
-                    self._guarded(key, lambda sink=sink, key=key: self.sinks.__setitem__(key, sink(self.run,
-                                                                                                   self.config)))
+                    try:
+                        self.sinks[key] = make(self.run, self.config, int(record.get("step", 0)))
+                    except Exception as e:  # noqa: BLE001 - a logger must never fail a training step
+                        self._drop(key, e)
         if not self.sinks or "step" not in record:
             return
         values = numeric(record)
         for key, sink in list(self.sinks.items()):
-            self._guarded(key, lambda sink=sink: sink.write(int(record["step"]), values, record.get("t")))
+            try:
+                sink.write(int(record["step"]), values, record.get("t"))
+            except Exception as e:  # noqa: BLE001
+                self._drop(key, e)
 
     def close(self) -> None:
         for key, sink in list((self.sinks or {}).items()):
-            self._guarded(key, sink.close)
+            try:
+                sink.close()
+            except Exception as e:  # noqa: BLE001
+                self._drop(key, e)
         self.sinks = {}
 
-    def _guarded(self, key: str, call) -> None:
-        try:
-            call()
-        except Exception as e:  # noqa: BLE001 - a logger must never fail a training step
-            log.warning("logging.%s: %s: %s; metrics.jsonl keeps every step, this sink is off for the rest of "
-                        "the job", key, type(e).__name__, e)
-            if self.sinks is not None:
-                self.sinks.pop(key, None)
+    def _drop(self, key: str, error: Exception) -> None:
+        """Warn once, and send this sink nothing more."""
+        log.warning("logging.%s: %s: %s; metrics.jsonl keeps every step, this sink is off for the rest of the job",
+                    key, type(error).__name__, error)
+        if self.sinks is not None:
+            self.sinks.pop(key, None)

@@ -66,11 +66,26 @@ def test_tensorboard_sink_writes_what_metrics_jsonl_holds(tmp_path):
         (1, 0.1, 1001.0), (2, 0.2, 1002.0), (3, 0.3, 1003.0)]
 
 
+def test_a_resumed_job_replaces_the_steps_it_makes_again(tmp_path):
+    run = RunDir(tmp_path / "run").create()
+    first = MetricsLog(run, LoggingConfig(tensorboard=True))
+    for step in (1, 2, 3, 4):  # killed after step 4; its newest checkpoint is step 2
+        first.append({"t": 1000.0 + step, "step": step, "loss": 1.0})
+    first.close()
+    resumed = MetricsLog(run, LoggingConfig(tensorboard=True))
+    for step in (3, 4, 5):
+        resumed.append({"t": 2000.0 + step, "step": step, "loss": 0.5})
+    resumed.close()
+    events = EventAccumulator(str(run.path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 1.0), (2, 1.0), (3, 0.5), (4, 0.5), (5, 0.5)]
+
+
 def test_a_failing_sink_is_warned_about_once_and_never_fails_the_step(tmp_path, monkeypatch, caplog):
     calls = []
 
     class Broken:
-        def __init__(self, run, config):
+        def __init__(self, run, config, first_step):
             pass
 
         def write(self, step, values, wall_time):
@@ -94,7 +109,7 @@ def test_a_failing_sink_is_warned_about_once_and_never_fails_the_step(tmp_path, 
 
 
 def test_a_sink_that_cannot_start_is_dropped_too(tmp_path, monkeypatch, caplog):
-    def refuse(run, config):
+    def refuse(run, config, first_step):
         raise RuntimeError("cannot create the writer")
 
     monkeypatch.setitem(metrics_sinks.SINKS, "wandb", refuse)
