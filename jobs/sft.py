@@ -52,6 +52,7 @@ from rlslurm.errors import CheckpointError, ConfigError, RlslurmError
 from rlslurm.evaluate import greedy_accuracy
 from rlslurm.events import SFT_EXPORT, SFT_FINISHED, SFT_START, emit
 from rlslurm.lifecycle import ExitCode
+from rlslurm.metrics_sinks import MetricsLog
 from rlslurm.rundir import RunDir
 from rlslurm.tasks.arithmetic import Problem, make_dev, make_splits
 from rlslurm.tinymodel import build_model, load_hf, save_hf
@@ -256,12 +257,13 @@ def run_sft(job: JobConfig, run_dir: Path, *, requeue=lifecycle.requeue_job) -> 
     _set_cpu_threads(topo)
     gate = DrainGate(run, poll_interval_s=0.5, kill_wait_s=job.checkpoint.kill_wait_s)
     gate.install_signal_handlers()
+    metrics = MetricsLog(run, job.logging)  # rank 0 appends: metrics.jsonl, then TensorBoard / W&B if on
     try:
         # Guarded from before the rendezvous: a rank that never joins shows up stuck in phase "start".
         with PhaseGuard(run, "train", topo.rank, job.diag, gate=gate, job_id=lifecycle.leader_job_id()) as guard:
             init_process_group(topo, timeout_s=train.dist_timeout_s)
             try:
-                summary = _train(job, run, topo, gate, guard, started, requeue)
+                summary = _train(job, run, topo, gate, guard, started, requeue, metrics)
                 # Leave together: every rank exits only once the job's output (export, checkpoint) exists.
                 dist.barrier()
                 release_process_group_users()
@@ -269,11 +271,12 @@ def run_sft(job: JobConfig, run_dir: Path, *, requeue=lifecycle.requeue_job) -> 
                 dist.destroy_process_group()
         return summary
     finally:
+        metrics.close()
         gate.restore_signal_handlers()
 
 
 def _train(job: JobConfig, run: RunDir, topo: Topology, gate: DrainGate, guard: PhaseGuard, started: float,
-           requeue) -> dict:
+           requeue, metrics: MetricsLog) -> dict:
     train = job.train
     tokenizer = build_tokenizer()
     train_set, held_out = make_splits(job.task)
@@ -304,7 +307,7 @@ def _train(job: JobConfig, run: RunDir, topo: Topology, gate: DrainGate, guard: 
             last_saved = state.step
         return step_dirname(state.step)
 
-    target = StopAtTarget(job, run, tokenizer)
+    target = StopAtTarget(job, metrics, tokenizer)
     while True:
         # Step boundary: every rank must agree to drain, save or stop, so that they stop at the same step.
         reached = target.reached(state, guard)  # collective when due: rank 0 decodes the dev split
@@ -336,7 +339,7 @@ def _train(job: JobConfig, run: RunDir, topo: Topology, gate: DrainGate, guard: 
         step_s = time.perf_counter() - t0
         policy.observe_step(step_s)
         if topo.is_main:
-            run.append_json(run.metrics, {"t": time.time(), "kind": "sft_step", "step": state.step,
+            metrics.append({"t": time.time(), "kind": "sft_step", "step": state.step,
                                           "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_s": step_s})
         if train.step_delay_s:
             with guard.phase("train", step=state.step):
@@ -350,7 +353,7 @@ def _train(job: JobConfig, run: RunDir, topo: Topology, gate: DrainGate, guard: 
         # Every rank: the Megatron export gathers over TP; rank 0 writes it and evaluates it.
         export, model = state.export(run.path / "export" / "hf", job.rollout.max_new_tokens)
         if topo.is_main:
-            summary.update(_evaluate(job, run, state.step, export, model, tokenizer, held_out, started))
+            summary.update(_evaluate(job, run, metrics, state.step, export, model, tokenizer, held_out, started))
         # Peers wait for the export so that no rank reports finished before the job's output exists.
         dist.barrier()
     emit(run, SFT_FINISHED, role="trainer", **summary)
@@ -369,8 +372,8 @@ class StopAtTarget:
     held-out number is never the one the run was stopped on.
     """
 
-    def __init__(self, job: JobConfig, run: RunDir, tokenizer):
-        self.job, self.run, self.tokenizer = job, run, tokenizer
+    def __init__(self, job: JobConfig, metrics: MetricsLog, tokenizer):
+        self.job, self.metrics, self.tokenizer = job, metrics, tokenizer
         self.dev = make_dev(job.task) if job.train.stop_at_accuracy is not None else []
 
     def reached(self, state, guard: PhaseGuard) -> bool:
@@ -384,18 +387,18 @@ class StopAtTarget:
                 return False  # rank 0 decides; the step boundary's all-reduce carries its answer
             t0 = time.perf_counter()
             result = greedy_accuracy(model, self.tokenizer, self.dev, max_new_tokens=self.job.rollout.max_new_tokens)
-            self.run.append_json(self.run.metrics, {
+            self.metrics.append({
                 "t": time.time(), "kind": "sft_dev", "step": state.step, "dev_accuracy": result.accuracy,
                 "target": train.stop_at_accuracy, "eval_s": time.perf_counter() - t0})
         return result.accuracy >= train.stop_at_accuracy
 
 
-def _evaluate(job, run, step, export, model, tokenizer, held_out, started) -> dict:
+def _evaluate(job, run, metrics, step, export, model, tokenizer, held_out, started) -> dict:
     emit(run, SFT_EXPORT, role="trainer", rank=0, path=str(export), step=step)
     result = greedy_accuracy(model, tokenizer, held_out, max_new_tokens=job.rollout.max_new_tokens)
     record = {"heldout_accuracy": result.accuracy, "heldout_correct": result.correct,
               "heldout_total": result.total, "export": str(export), "wall_s": time.time() - started}
-    run.append_json(run.metrics, {"t": time.time(), "kind": "sft_eval", "step": step, **record})
+    metrics.append({"t": time.time(), "kind": "sft_eval", "step": step, **record})
     return record
 
 

@@ -9,7 +9,7 @@
     task        rlslurm/tasks/config.py           reward     rlslurm/reward/config.py
     sync        rlslurm/sync/config.py            checkpoint rlslurm/checkpoint.py
     diag        diag/config.py (rlslurm.diag.config)
-    network     rlslurm/network.py
+    network     rlslurm/network.py                logging    rlslurm/metrics_sinks.py
 
 Checks between sections live in `JobConfig.__post_init__` and name every key involved.
 """
@@ -26,6 +26,7 @@ from rlslurm.config_rules import ignored_values
 from rlslurm.configfile import FieldError, check, check_name, load_mapping, read_yaml
 from rlslurm.diag.config import DiagConfig
 from rlslurm.errors import ConfigError
+from rlslurm.metrics_sinks import LoggingConfig
 from rlslurm.modelspec import ModelConfig
 from rlslurm.network import NetworkConfig
 from rlslurm.plan.hardware import HardwareConfig
@@ -92,6 +93,8 @@ class JobConfig:
     """Operations kit: heartbeats, watchdog, stacks."""
     network: NetworkConfig = field(default_factory=NetworkConfig)
     """The NCCL / Gloo environment of every process: trainer ranks, engines, reward service."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Where each step's metrics go besides metrics.jsonl: TensorBoard, Weights & Biases (offline)."""
 
     def __post_init__(self):
         hw, pl = self.hardware, self.placement

@@ -56,12 +56,25 @@ def ignored_values(job: "JobConfig") -> Iterator[Rule]:
     yield from _engines(job)
     yield from _cluster(job)
     yield from _model_and_memory(job)
+    yield from _logging(job)
     if job.job.kind == "rl":
         yield from _rl_sync(job)
         yield from _rl_reward(job)
         yield from _rl_train(job)
     if job.job.kind == "sft":
         yield from _sft(job)
+
+
+def _logging(job: "JobConfig") -> Iterator[Rule]:
+    """rlslurm/metrics_sinks.py: the SFT and RL trainers send metrics to the sinks; the toy loop does not."""
+    if job.job.kind == "toy":
+        for name, value in _changed(job.logging):
+            yield _ignored(f"logging.{name}", value, "job.kind = 'toy'", "the toy loop writes metrics.jsonl only",
+                           "remove it")
+    if not job.logging.wandb:
+        for name, value in _changed(job.logging, "wandb_project", "wandb_name"):
+            yield _ignored(f"logging.{name}", value, "logging.wandb = false", "nothing is sent to W&B",
+                           "set logging.wandb: true, or remove it")
 
 
 def _placement(job: "JobConfig") -> Iterator[Rule]:

@@ -1,6 +1,7 @@
 """The `rlslurm` command: one click group, one module per subcommand.
 
     rlslurm --help
+    rlslurm init --partition-train gpu --gpu-profile h100-80g --nodes 2 --gpus-per-node 8 -o job.yaml
     rlslurm validate examples/lecture-h20.yaml
     rlslurm plan examples/lecture-h20.yaml [--json] [--explain]
     rlslurm submit examples/tiny-grpo.yaml [--backend local|slurm] [--wait] [--dry-run]
@@ -45,9 +46,9 @@ def cli(ctx: click.Context, debug: bool) -> None:
 
 def _register() -> None:
     # Each subcommand lives in its own module; importing it here keeps `rlslurm --help` complete.
-    from rlslurm.cli import diag, drain, envdiff, plan, report, resume, status, submit, validate
+    from rlslurm.cli import diag, drain, envdiff, init, plan, report, resume, status, submit, validate
 
-    for module in (validate, plan, submit, resume, status, drain, diag, envdiff, report):
+    for module in (init, validate, plan, submit, resume, status, drain, diag, envdiff, report):
         cli.add_command(module.command)
 
 

@@ -41,6 +41,7 @@ from rlslurm.diag.guard import PhaseGuard
 from rlslurm.dist import Topology, compute_device, init_process_group, release_process_group_users
 from rlslurm.errors import RlslurmError
 from rlslurm.lifecycle import ExitCode
+from rlslurm.metrics_sinks import MetricsLog
 from rlslurm.rl.checkpointing import resume_point, save
 from rlslurm.rl.controller import Controller
 from rlslurm.rl.experience import Experience
@@ -62,13 +63,14 @@ def run(job: JobConfig, run_dir: str | Path) -> int:
     guard = PhaseGuard(run_, "train", topo.rank, job.diag, gate=gate)
     write_fingerprint(run_, "train", topo.rank)
     controller = None
+    metrics = MetricsLog(run_, job.logging)  # rank 0 appends: metrics.jsonl, then TensorBoard / W&B if on
     try:
         with guard:
             model_dir = initial_model_dir(job, run_, topo)
             policy = make_policy(job, topo, model_dir)
             controller = Controller(job, run_, model_dir, policy.tokenizer) if topo.is_main else None
             try:
-                code = Loop(job, run_, topo, gate, guard, policy, controller).run()
+                code = Loop(job, run_, topo, gate, guard, policy, controller, metrics).run()
             except Exception as e:
                 # The step loop gives up a step only when SLURM stops the job; anything else that left it
                 # fails the job. Where an engine is behind it, say which (node, pid, exit code, log).
@@ -84,6 +86,7 @@ def run(job: JobConfig, run_dir: str | Path) -> int:
     finally:
         if controller is not None:
             controller.close()
+        metrics.close()
         gate.restore_signal_handlers()
         dist.destroy_process_group()
 
@@ -127,6 +130,8 @@ class Loop:
     policy: RLPolicy
     controller: Controller | None
     """Rank 0's controller; None on the other ranks."""
+    metrics: MetricsLog
+    """Rank 0's per-step metrics: metrics.jsonl and the sinks of `logging:`."""
     step: int = 0
     version: int = 0
     rl_state: dict = field(default_factory=dict)
@@ -260,7 +265,7 @@ class Loop:
             acc = self.controller.evaluate()
             record["held_out_accuracy"] = acc
             self.rl_state.setdefault("eval_history", []).append([step, acc])
-        self.run_dir.append_json(self.run_dir.metrics, record)
+        self.metrics.append(record)
         if first_step:  # requeue -> training again is measured up to here
             since = time.time() - psutil.Process().create_time()
             events.emit(self.run_dir, events.FIRST_STEP, step=step, policy_version=self.version,

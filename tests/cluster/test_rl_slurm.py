@@ -484,7 +484,7 @@ def test_sigkill_of_a_trainer_rank_restarts_it_in_the_allocation_with_the_engine
     import signal
 
     # Broadcast, the separate placement's own method: the new controller must form a new group with the kept
-    # engine (it drops the old one). Disk sync through the same restart passed too (the README's figures).
+    # engine (it drops the old one). Disk sync through the same restart passed too (docs/slurm.md's figures).
     sub = su.submit(rl_config(tmp_path / "rl-trainer-restart.yaml", tmp_path / "runs", sft_export,
                               method="broadcast", step_delay_s=0.2))
     run = RunDir(sub.run_dir)

@@ -12,6 +12,8 @@ SURFACE = {
     "diag": ["--json", "--log-lines", "--no-live", "--no-slurm", "--out", "--run-root"],
     "drain": ["--reason", "--run-root"],
     "envdiff": ["--run-root", "--sync-method"],
+    "init": ["--account", "--force", "--gpu-profile", "--gpus-per-node", "--kind", "--model-dir", "--name", "--nodes",
+             "--out", "--partition-rollout", "--partition-train", "--run-root", "--steps", "--time-limit-min", "-o"],
     "report": ["--json", "--out", "--run-root"],
     "resume": ["--backend", "--force", "--run-root", "--set", "--wait"],
     "plan": ["--explain", "--json", "--set"],
