@@ -32,6 +32,7 @@ import contextlib
 import json
 import logging
 import os
+import socket
 import threading
 import time
 from pathlib import Path
@@ -81,6 +82,8 @@ class HeartbeatWriter:
         now = clock()
         self.record: dict = {
             "host": host or node_name(),
+            # The machine's own name: SLURM's node name (`host`) is not one, the local cluster runs 5 on one.
+            "machine": socket.gethostname(),
             "pid": os.getpid(),
             # The process's start time lets a reader tell this pid from a later process that reused it.
             "pid_started": psutil.Process().create_time(),
@@ -222,6 +225,12 @@ def pid_alive(hb: dict) -> bool:
         return started is not None and (recorded is None or abs(started - float(recorded)) <= 1.0)
     except (KeyError, TypeError, ValueError):
         return False
+
+
+def gone_here(hb: dict) -> bool:
+    """The heartbeat's process certainly runs no more: it beat from this machine, and no process here has its
+    pid and start time. (From another machine, or from a writer older than the `machine` field: not known.)"""
+    return hb.get("machine") == socket.gethostname() and not pid_alive(hb)
 
 
 def label(hb: dict) -> str:

@@ -27,6 +27,7 @@ tests/data/diag/ holds a recorded run of each cause (tests/unit/test_diag_record
 from __future__ import annotations
 
 import re
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -47,6 +48,9 @@ class Facts:
     env_errors: list[str] = field(default_factory=list)
     now: float = field(default_factory=time.time)
     host: str = field(default_factory=node_name)
+    machine: str = field(default_factory=socket.gethostname)
+    """This machine's own name: a heartbeat that names it (its `machine`) is judged by its pid here, whatever
+    SLURM node name it wears (the local cluster runs five nodes on one machine)."""
     pid_alive: Callable[[dict], bool] = pid_alive
     """Whether a heartbeat's process (on `host`) still runs; a replay of a recorded run injects what was seen."""
 
@@ -66,6 +70,7 @@ _OOM = re.compile(r"CUDA out of memory|OutOfMemoryError|oom-kill|oom_kill|Out of
                   r"can't allocate memory")
 _TRACEBACK = re.compile(r"Traceback \(most recent call last\):\n(?:.*\n)*?\S.*(?:Error|Exception|Interrupt|Exit)\b.*",
                         re.MULTILINE)
+_FAILED_NODE = re.compile(r"ON (\S+) CANCELLED AT \S+ DUE TO NODE FAILURE|Node failure on (\S+)")
 _ENGINE = re.compile(r"EngineDeadError|EngineCore\S* (?:died|failed)|engine (?:died|crashed)", re.IGNORECASE)
 
 
@@ -102,7 +107,7 @@ def _alive(facts: Facts) -> list[dict]:
     for hb in facts.heartbeats:
         if hb.get("state") != "running":
             continue
-        if hb.get("host") == facts.host:
+        if hb.get("host") == facts.host or hb.get("machine") == facts.machine:
             if facts.pid_alive(hb):
                 out.append(hb)
         elif facts.now - float(hb.get("last_progress") or 0) < float(hb.get("phase_timeout_s") or 300):
@@ -212,7 +217,12 @@ def classify(facts: Facts) -> list[Cause]:
                             f"{e.get('reason')}); SLURM requeued the job off it (restart {e.get('restart_count')})",
                             [f"{x.get('node')}: {x.get('state')} ({x.get('reason')})" for x in lost]))
     elif state == "NODE_FAIL" or _grep(facts.logs, re.compile(r"NODE_FAIL|DUE TO NODE FAILURE")):
-        causes.append(Cause("node_failure", "node failure (SLURM NODE_FAIL)"))
+        # SLURM's own lines name the node: slurmstepd's "*** STEP 6.0 ON n1 CANCELLED AT ... DUE TO NODE
+        # FAILURE" and srun's "Node failure on n1".
+        hit = _grep(facts.logs, _FAILED_NODE)
+        node = (hit[1].group(1) or hit[1].group(2)) if hit else None
+        causes.append(Cause("node_failure", f"node failure: {node or 'a node of the job'} lost (SLURM NODE_FAIL)",
+                            [f"{hit[0]}: {hit[1].group(0)}"] if hit else []))
     if state == "TIMEOUT" or _grep(facts.logs, re.compile(r"DUE TO TIME LIMIT")):
         causes.append(Cause("time_limit", "time limit reached (SLURM TIMEOUT)"))
     if state == "PREEMPTED" or _grep(facts.logs, re.compile(r"DUE TO PREEMPTION")):
@@ -237,19 +247,26 @@ def classify(facts: Facts) -> list[Cause]:
             causes.append(Cause("exception", f"Python exception ({hit[0]}): {hit[1].group(0).splitlines()[-1]}",
                                 [hit[1].group(0)]))
     # The kit's own failures name a job that is otherwise fine (still running, or nothing else found)
-    # before it is called running; a finished job is named finished first, with them after it.
+    # before it is called running.
     ops = ops_causes(now_events) + damaged_checkpoints(facts.events)
     causes += ops
-    if alive and len(causes) == len(ops):
+    exited = [hb for hb in facts.heartbeats if hb.get("state") == "exited"]
+    clean = f" ({len(exited)} processes exited cleanly)" if exited else ""
+    if ev.select(now_events, *ev.FINISHED) or state == "COMPLETED":
+        # One rule for every finished job: its headline is "finished", and every fault it met and survived
+        # (a restarted rank, a readmitted engine, an unwritable heartbeat, a process that outlived it) is
+        # evidence under it, never the headline.
+        survived = [f"survived {c.kind}: {c.headline}" for c in causes]
+        survived += [f"{label(hb)} (pid {hb.get('pid')} on {hb.get('host')}) still runs after the job finished, in "
+                     f"{hb.get('phase')}" for hb in alive]
+        headline = "finished OK" + clean + (f"; it survived {len(causes)} fault(s), listed below" if causes else "")
+        causes = [Cause("finished", headline, survived)]
+    elif alive and len(causes) == len(ops):
         steps = sorted({hb.get("step") for hb in alive if hb.get("step") is not None})
         phases = ", ".join(f"{label(hb)} in {hb.get('phase')}" for hb in alive)
         causes.append(Cause("running", f"still running (step {steps[-1] if steps else '?'}; {phases})"))
-    exited = [hb for hb in facts.heartbeats if hb.get("state") == "exited"]
-    finished = ev.select(now_events, *ev.FINISHED)
-    all_exited = bool(exited) and len(exited) == len(facts.heartbeats)
-    if len(causes) == len(ops) and (finished or state == "COMPLETED" or all_exited):
-        clean = f" ({len(exited)} processes exited cleanly)" if exited else ""
-        causes.insert(0, Cause("finished", "finished OK" + clean))
+    elif not causes and exited and len(exited) == len(facts.heartbeats):
+        causes.append(Cause("finished", "finished OK" + clean))  # off SLURM: every process said it exited
     if not causes:
         causes.append(Cause("unknown", f"no cause found (SLURM state {state or 'unknown'}); read the log tails"))
     for e in ev.select(now_events, ev.ENGINE_DIED, ev.ENGINE_UNHEALTHY):

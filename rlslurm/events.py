@@ -193,6 +193,10 @@ NODE_LOST = declare("node_lost", "a restart found a node of the previous attempt
                     required=("node", "state", "reason", "restart_count"))
 FAULT_INJECTED = declare("fault_injected", "a test hook of the toy job injected a fault", by="jobs/toytrain.py",
                          required=("fault", "step", "mode"), optional=("op", "seq"), informational=True)
+BATCH_REQUEUED = declare("batch_requeued", "the batch script (the trainer supervisor) was killed by a signal before "
+                         "the job finished, and SLURM ended every component FAILED: rlslurm's strigger requeued it",
+                         by="rlslurm/slurm/rejoin.py", required=("job_id", "fired_by", "states", "reason", "result"),
+                         informational=True)
 COMPONENTS_REQUEUED = declare("components_requeued", "SLURM requeued some of the het job's components and ended the "
                               "others (a lost node): rlslurm's strigger requeued the whole job, off the lost nodes",
                               by="rlslurm/slurm/rejoin.py", required=("job_id", "fired_by", "states", "excluded",

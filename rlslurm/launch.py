@@ -232,13 +232,14 @@ _SLURM_LIVE = {"PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", 
 
 def signs_of_life(run: RunDir, job: JobConfig, now: float) -> str | None:
     """Why the run's processes look alive (a heartbeat newer than a few beats that is not its process's last
-    word, `exited` or `failed`), or None."""
-    from rlslurm.diag.heartbeat import has_ended, read_heartbeats
+    word, `exited` or `failed`, and whose process is not known gone: a SIGKILLed one writes no last word), or
+    None."""
+    from rlslurm.diag.heartbeat import gone_here, has_ended, read_heartbeats
 
     fresh_s = max(10.0, 5 * job.diag.heartbeat_interval_s)
     for hb in read_heartbeats(run):
         age = now - hb.get("written", 0.0)
-        if not has_ended(hb) and age < fresh_s:
+        if not has_ended(hb) and age < fresh_s and not gone_here(hb):
             return f"{hb.get('role')}-{hb.get('rank')} (pid {hb.get('pid')} on {hb.get('host')}) beat {age:.1f} s ago"
     return None
 

@@ -41,7 +41,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from rlslurm import secret, wire
+from rlslurm import lifetime, secret, wire
 from rlslurm.configfile import load_mapping, read_yaml
 from rlslurm.diag.config import DiagConfig
 from rlslurm.diag.guard import PhaseGuard
@@ -268,6 +268,7 @@ def main(port: int, host: str, secret_file: str | None, config_path: str | None,
          endpoint: str | None, concurrency: int | None, run_dir: str | None) -> None:
     """Serve /health, /score and /metrics until killed."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s reward-service %(levelname)s %(message)s")
+    lifetime.bind_to_parent()  # its own session (for its sandboxes' group), yet it ends with its supervisor
     token = secret.from_env_or(secret_file)
     cfg = load_reward_config(config_path, scorer=scorer, endpoint=endpoint, concurrency=concurrency)
     guard = None

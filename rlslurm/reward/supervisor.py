@@ -12,6 +12,8 @@ fails `unhealthy_after` health checks in a row (hung, stopped) is killed and res
 `reward_service_unhealthy`); each new process writes `reward_service_restarted`. Past `max_restarts`
 it gives up (event `reward_service_down`: restarts, the budget, the service's log) and `failed` is set.
 `stop()` asks the service to exit (SIGTERM: its heartbeat ends `exited`), then kills its process group.
+The service is in a session of its own (that group), so SLURM's process tracking does not follow it:
+it ends itself when this process is gone (rlslurm/lifetime.py), a SIGKILLed trainer rank 0 included.
 
 With a run directory the service wears the phase guard (heartbeats/reward-0.json, see service.py) and
 requires the run's secret (<run>/secret; without a run, a secret file of its own beside its log, mode
@@ -39,7 +41,7 @@ from typing import Callable
 import httpx
 import yaml
 
-from rlslurm import events, secret
+from rlslurm import events, lifetime, secret
 from rlslurm.configfile import to_dict
 from rlslurm.diag.config import DiagConfig
 from rlslurm.errors import RewardServiceError
@@ -132,7 +134,7 @@ class RewardSupervisor:
         if self.run is not None:
             argv += ["--run-dir", str(self.run.path)]
         self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, **self.env})
+                                     env={**os.environ, **self.env, **lifetime.child_env()})
         out.close()
         deadline = self.clock() + self.cfg.start_timeout_s
         log.info("waiting up to %.0f s for the reward service (pid %d) on %s", self.cfg.start_timeout_s,

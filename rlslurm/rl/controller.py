@@ -15,6 +15,7 @@ produced them.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import random
 import time
@@ -35,6 +36,8 @@ from rlslurm.rl.pipeline import THREADED_ENV, ExperiencePipeline, stamp_stalenes
 from rlslurm.rundir import RunDir
 from rlslurm.tasks.arithmetic import ANSWER_FORMAT, Problem, make_splits
 from rlslurm.tasks.prompts import PromptFormat
+
+log = logging.getLogger(__name__)
 
 
 def sync_host() -> str:
@@ -92,6 +95,9 @@ class Controller:
         self.sync = WeightSync(self.engines.clients, self.transport, job.sync, run=run)
         self.rewards = None
         self.pipeline: ExperiencePipeline | None = None  # from the first step on (start_experience)
+        self.current_weights = None
+        """Rank 0's policy weights now (the loop sets it: Policy.weights): what a lone engine's replacement is
+        synced to in the middle of a rollout (`_bring_back`)."""
         try:
             self.rewards = open_reward_session(job, self.layout, run)
         except BaseException:
@@ -172,7 +178,7 @@ class Controller:
                         engines.check_served(i, out)
                     except EngineRequestError as e:
                         engines.take_out(i, e, resent=len(share))
-                        if not engines.admitted():
+                        if not engines.admitted() and not self._bring_back(step):
                             raise
                         resent += len(share)
                         assign(share, attempt + 1)
@@ -189,6 +195,23 @@ class Controller:
         if stats is not None:
             stats["prompts_resent"] = resent
         return sorted(choices, key=lambda c: (c["prompt_index"], c["index"])), engine_s
+
+    def _bring_back(self, step: int) -> bool:
+        """No engine left in rotation mid-rollout (one engine, the default, killed or hung): while the trainer
+        waits, the supervisor's replacement is awaited (rollout.request_timeout_s, Engines.returning), synced
+        to the version the others served and VERIFIED, then readmitted (sync_engines: a broadcast group is
+        formed anew with it). True once an engine is back; False where it cannot be done here (the rollout
+        runs ahead of training, rl.max_staleness > 0, so the weights are not that version's; no weights)."""
+        if self.current_weights is None or self.job.rl.max_staleness or self.engines.version is None:
+            return False
+        version = self.engines.version
+        log.warning("no engine left in rotation at step %d: waiting for a replacement, to sync it to version %d",
+                    step, version)
+        self.engines.check_down()  # every engine down past its budget: the job fails naming them
+        if not self.engines.returning():
+            return False
+        self.sync_engines(self.current_weights(), step=step, version=version)
+        return bool(self.engines.admitted())
 
     def reward_item(self, problems: list[Problem], choice: dict):
         """One response as the reward service scores it: normalised text (task.answer = lenient: the integer

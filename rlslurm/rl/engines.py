@@ -42,7 +42,9 @@ class Engines:
     `engine_out`) and the controller sends its prompts to the others; at the next weight sync an engine its
     supervisor replaced (`returning`) is synced with the others and VERIFIED, and only then takes traffic
     again (`readmit`, event `engine_readmitted`). An engine its supervisor gave up on (`engine_down`, past
-    rollout.max_restarts), or none left, fails the job as before (engine_failed, exit 6)."""
+    rollout.max_restarts: the budget is per engine) leaves the rotation for good and the others serve on;
+    every engine down fails the job naming them (engine_failed; the rank's EngineRequestError, SLURM's
+    FAILED 1:0)."""
 
     def __init__(self, job: JobConfig, layout: JobLayout, run: RunDir, model_dir: Path):
         from rlslurm.rollout.client import EngineRequestError, connect
@@ -90,6 +92,7 @@ class Engines:
         self.clients = [connect(url, job.rollout.request_timeout_s, token=token, engine=job.rollout.engine,
                                 tp=job.rollout.tp) for url in urls]
         self.live = [True] * len(self.clients)
+        self.down: set[int] = set()  # engines their supervisor gave up on: out of rotation for good
         self.generations = [int(_read_json(path).get("generation") or 0) for path in self.files]
         self.version: int | None = None  # what every engine in rotation serves since the last sync
         self._waited: dict[int, int | None] = {}  # engine -> its generation when `returning` waited in vain
@@ -117,16 +120,26 @@ class Engines:
         return _read_json(self.files[i])
 
     def check_down(self) -> None:
-        """Raise EngineRequestError (-> engine_failed, exit 6) for an engine whose supervisor gave up."""
+        """An engine whose supervisor gave up on it (past rollout.max_restarts, the budget of each engine) leaves
+        the rotation for good (event `engine_out`, once) and the job goes on with the engines left; only when
+        every engine is down raise EngineRequestError (-> engine_failed: the job fails naming them)."""
         from rlslurm.rollout.client import EngineRequestError
 
+        down, said = self.down, ""
         for i, path in enumerate(self.files):
             record = _read_json(path)
-            if record.get("state") == "down":
-                url = self.clients[i].url
-                raise EngineRequestError(f"engine {url}: down: its supervisor gave up on it past rollout.max_restarts "
-                                         f"= {self.job.rollout.max_restarts} (events engine_down; log "
-                                         f"{record.get('log')})", url=url, call="supervise")
+            if record.get("state") != "down":
+                continue
+            url = self.clients[i].url
+            said = (f"engine {url}: down: its supervisor gave up on it past rollout.max_restarts = "
+                    f"{self.job.rollout.max_restarts} (events engine_down; log {record.get('log')})")
+            if i not in down:
+                down.add(i)
+                self.take_out(i, EngineRequestError(said, url=url, call="supervise"), resent=0)
+        if down and len(down) == len(self.clients):
+            last = self.clients[max(down)].url
+            raise EngineRequestError(f"{said}; no engine left: all {len(down)} down past rollout.max_restarts",
+                                     url=last, call="supervise")
 
     def check_served(self, i: int, answer: dict) -> None:
         """An answer stamped with another policy version than the last sync's comes from an engine replaced

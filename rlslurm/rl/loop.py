@@ -183,6 +183,7 @@ class Loop:
         controller = self.controller
         if controller is None:
             return
+        controller.current_weights = self.policy.weights  # a lone engine's replacement is synced to them mid-step
         with self.guard.phase("sync", step=self.step):
             controller.check_env()
             controller.sync_engines(self.policy.weights(), version=self.version, step=self.step)

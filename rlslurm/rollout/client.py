@@ -25,7 +25,7 @@ from typing import Callable
 import httpx
 import psutil
 
-from rlslurm import secret
+from rlslurm import lifetime, secret
 from rlslurm.errors import RlslurmError
 
 log = logging.getLogger(__name__)
@@ -217,7 +217,8 @@ def spawn_engine(model_dir: str | Path, *, port: int, host: str = "127.0.0.1", l
            "--port", str(port), "--secret-file", str(secret_file), *(extra_args or [])]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, **(env or {}), **lifetime.child_env()})
     client = EngineClient(f"http://{host}:{port}", timeout_s, token=secret.read(secret_file))
     log.info("started engine pid %d at %s (log %s)", proc.pid, client.url, log_path)
     try:

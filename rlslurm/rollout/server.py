@@ -48,7 +48,7 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from rlslurm import secret, wire
+from rlslurm import lifetime, secret, wire
 from rlslurm.rollout import engine_guard, schema
 from rlslurm.rollout.batcher import AdmissionGate, Batcher, Dropped, Job, Limits
 from rlslurm.rollout.engine import Engine, HFEngine, SamplingParams, WeightLoadError
@@ -353,6 +353,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="do not keep a host copy of the weights for rollback (large models)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    lifetime.bind_to_parent()  # a SIGKILLed parent (trainer rank 0, the engine supervisor) takes it along
     token = secret.from_env_or(args.secret_file)  # before the model loads: a missing secret fails fast
     if args.threads:
         torch.set_num_threads(args.threads)

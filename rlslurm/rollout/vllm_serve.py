@@ -32,7 +32,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rlslurm import secret, wire
+from rlslurm import lifetime, secret, wire
 from rlslurm.rollout import engine_guard
 from rlslurm.rollout.client import EngineProcess, EngineRequestError
 
@@ -54,6 +54,7 @@ class SecretGate(wire.Protect):
     heartbeats/rollout-<rank>.json from vLLM's own event loop, as the transformers engine does from its."""
 
     def __init__(self, app):
+        lifetime.bind_to_parent()  # in vLLM's API server process: it ends with whoever started it
         limits = json.loads(os.environ.get(LIMITS_ENV) or "{}")
         self.guard = engine_guard.from_args(**limits["guard"]) if limits.get("guard") else None
         self._ticker: asyncio.Future | None = None
@@ -190,7 +191,7 @@ def spawn_vllm_serve(model_dir: str | Path, *, port: int, log_path: str | Path, 
     full_env = {**os.environ, **serve_env(secret_file=secret_file, tp=tp, cpu=cpu, limits=limits or {}), **(env or {})}
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**full_env, **lifetime.child_env()})
     client = VLLMServeClient(f"http://{host}:{port}", timeout_s, token=secret.read(secret_file), tp=tp)
     try:
         client.wait_ready(ready_timeout_s, alive=lambda: proc.poll() is None, poll_s=0.5)

@@ -36,7 +36,10 @@ Ports: slurmctld `port_base` (16817 by default, or $RLSLURM_SLURM_PORT_BASE), sl
 +190; two clusters on one machine need two port bases (and two dirs). Job ids start at
 1 + 1000 * (port_base - 16817), so jobs of two clusters never derive the same rendezvous port.
 cred_expire=5 makes a requeued job restart after ~6 s instead of ~136 s. SlurmdTimeout=20: a node that stops
-answering (its link cut) is DOWN, and its jobs requeued off it, after ~20 s instead of 300. Accounting is off;
+answering (its link cut) is DOWN, and its jobs requeued off it, after ~20 s instead of 300. ReturnToService=1:
+such a node comes back by itself once its slurmd answers again, but one set DOWN by `scontrol` stays DOWN until
+the test returns it (`State=RESUME`); with 2, slurmd's next registration handed it back within 28 ms, and the
+requeued job could start on the very node it had lost (issue 28, case 6). Accounting is off;
 finished jobs are in `jobcomp.txt` (read with `sacct -c`, see commands.sacct).
 """
 
@@ -103,7 +106,7 @@ SlurmdParameters=config_overrides
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 MpiDefault=none
-ReturnToService=2
+ReturnToService=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/backfill

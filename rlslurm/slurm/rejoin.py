@@ -13,6 +13,12 @@ then asks SLURM to keep the requeued job off the nodes the last attempt lost (`s
 ExcNodeList`, taken only from a pending job; recorded in <run>/excluded_nodes.json for `rlslurm status`).
 At a normal end every component is COMPLETED (or the user cancelled them all) and the trigger does nothing.
 A trigger fires once: every start arms them again.
+
+The same trigger covers the batch script's own death (issue 28, case 2): `kill -9` of the trainer supervisor
+(python -m rlslurm.slurm.supervisor, the batch step's process) ended every component FAILED 0.6 s later and
+nothing requeued the job. Component 0 FAILED by a signal (ExitCode `0:N`) in a run without its `done` is
+that death (a rank's exception is `1:0`, SLURM's own stops are TIMEOUT, CANCELLED, NODE_FAIL, PREEMPTED):
+the trigger requeues the job (`batch_requeued`), which resumes from its newest complete checkpoint.
 """
 
 from __future__ import annotations
@@ -162,10 +168,51 @@ def keep_off(run: RunDir, leader: str, nodes: Sequence[dict], *, show_job=comman
     return sorted(set(took))
 
 
+def batch_killed(states: Sequence[Mapping[str, str]]) -> str | None:
+    """Pure: why the job's batch script died by a signal (its component 0 FAILED with ExitCode `0:N`, N > 0;
+    no component pending), or None."""
+    lead = [s for s in states if s.get("HetJobOffset", "0") == "0"][:1] or list(states[:1])
+    if not lead or any(s.get("JobState") in ("PENDING", "REQUEUED", "REQUEUE_HOLD") for s in states):
+        return None
+    _, _, sig = (lead[0].get("ExitCode") or "0:0").partition(":")
+    if lead[0].get("JobState") != "FAILED" or sig in ("", "0"):
+        return None
+    return (f"component 0 of job {lead[0].get('JobId')} FAILED by signal {sig} (ExitCode {lead[0].get('ExitCode')}): "
+            "its batch script, the trainer supervisor, was killed")
+
+
+def finished(run: RunDir) -> bool:
+    """Whether the run's newest start trained every step (its `done` after its last start/resume)."""
+    seen = events.read_events(run)
+    starts = [i for i, e in enumerate(seen) if events.kind_of(e) in (events.START, events.RESUME)]
+    return any(events.kind_of(e) == events.DONE for e in seen[starts[-1] if starts else 0:])
+
+
+def _first_to_act(run: RunDir, leader: str, states: Sequence[Mapping[str, str]]) -> bool:
+    """Every component's trigger fires when SLURM ends them together, and each sees the same FAILED states:
+    only the first (an exclusive marker per job and SLURM restart) requeues, or the second would requeue the
+    job again once it runs (measured: two `batch_requeued` for one kill)."""
+    marker = run.path / f".batch-requeued-{leader}-{states[0].get('Restarts', '0') if states else '0'}"
+    try:
+        marker.open("x").close()
+        return True
+    except FileExistsError:
+        log.info("job %s: another trigger of this end requeued it already (%s)", leader, marker.name)
+        return False
+
+
 def rejoin(leader: str, run: RunDir, fired_by: str | None = None) -> str | None:
-    """If the het job is split, keep it off the lost nodes and requeue it whole; what was done, or None."""
+    """If the het job is split, keep it off the lost nodes and requeue it whole; if its batch script was killed
+    before it finished, requeue it; what was done, or None."""
     states = commands.show_job(leader)
     if not split(states):
+        why = batch_killed(states)
+        if why and not finished(run) and _first_to_act(run, leader, states):
+            done = commands.requeue(leader)
+            events.emit(run, events.BATCH_REQUEUED, role="slurmctld", job_id=leader, fired_by=fired_by,
+                        states={s.get("HetJobOffset", "0"): f"{s.get('JobState')} {s.get('ExitCode')}" for s in states},
+                        reason=why, result=done)
+            return done
         log.info("job %s not split (%s): nothing to do", leader, [s.get("JobState") for s in states])
         return None
     lost = lost_nodes(run)

@@ -102,6 +102,19 @@ def cleanup(timeout_s: float = 30.0) -> list[str]:
     return done
 
 
+def leftovers(run: Path) -> list[str]:
+    """This machine's live processes whose command line names the run directory: after the job ended, none
+    may be left (a killed parent's children included)."""
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["pid", "ppid", "cmdline", "status"]):
+        if p.info["cmdline"] and p.info["status"] != psutil.STATUS_ZOMBIE and \
+                any(str(run) in arg for arg in p.info["cmdline"]):
+            out.append(f"pid {p.info['pid']} (parent {p.info['ppid']}): {' '.join(p.info['cmdline'])}")
+    return out
+
+
 def state(job_id: str) -> str | None:
     """SLURM state of component 0 of the het job (RUNNING, PENDING, COMPLETED, ...)."""
     return hetjob.job_states([job_id]).get(job_id, {}).get("State")

@@ -44,7 +44,7 @@ def _cancel_and_tidy_at_end(slurm_cluster):
         print(f"\ncleanup: {line}")
 
 
-def _config(path: Path, run_root: Path) -> Path:
+def _config(path: Path, run_root: Path, engines: int = 2) -> Path:
     """2 trainer ranks on a train node, 2 engines on a rollout node; rollouts long enough (48 tokens x 256
     samples, ~1-3 s) to be caught in the middle; a fast heartbeat so the test sees the rollout phase at once."""
     data = {
@@ -53,7 +53,7 @@ def _config(path: Path, run_root: Path) -> Path:
         "placement": {"mode": "separate", "rollout_nodes": 1},
         "train": {"steps": STEPS, "seed": 0},
         "rl": {"prompts_per_step": PROMPTS, "samples_per_prompt": SAMPLES, "eval_every": 100, "max_staleness": 0},
-        "rollout": {"engines": 2, "max_new_tokens": 48},
+        "rollout": {"engines": engines, "max_new_tokens": 48},
         "task": {"eval_size": 16},
         "sync": {"method": "broadcast"},
         "diag": {"heartbeat_interval_s": 0.2},
@@ -140,3 +140,35 @@ def test_killed_and_stopped_engines_are_replaced_inside_the_allocation(slurm_clu
     assert f"engine 1 hung (on {hung['node']}, pid {stopped}, process state stopped)" in result.output, result.output
     print(f"\nMEASURE engine failover: SIGSTOP detected in {detected_s:.1f} s (hang timeout {HANG_TIMEOUT_S:g} s); "
           f"restarts {[e['start_s'] for e in restarted]} s; prompts re-sent {[e['resent'] for e in out]}")
+
+
+def test_a_lone_engine_killed_then_stopped_is_replaced_and_verified_while_the_trainer_waits(slurm_cluster, tmp_path):
+    """Issue 28, case 1, on the het job with the default rollout.engines 1: its server SIGKILLed mid-rollout, then
+    SIGSTOPped mid-rollout. Before, the job failed (engine_failed, then rank 1's gloo 'Connection closed by
+    peer', FAILED 143:0). Now the controller waits for the supervisor's replacement, forms the broadcast group
+    anew with it, syncs and VERIFIES it, and the step goes on: COMPLETED, every step once, in one allocation."""
+    sub = su.submit(_config(tmp_path / "rl-lone.yaml", tmp_path / "runs", engines=1))
+    run, stopped = sub.run_dir, None
+    try:
+        killed, killed_at = _fault(run, 0, 2, signal.SIGKILL, slurm_cluster.kick)
+        wait_for("engine 0 readmitted", lambda: su.events(run, "engine_readmitted"), 180, on_poll=slurm_cluster.kick)
+        stopped, stopped_at = _fault(run, 0, len(_steps(run)) + 1, signal.SIGSTOP, slurm_cluster.kick)
+        su.wait_done(sub.job_id, run, 300, slurm_cluster.kick)
+    finally:
+        if stopped is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stopped, signal.SIGKILL)
+    assert su.state(sub.job_id) == "COMPLETED"
+    assert not su.events(run, "requeue") and len(su.events(run, "start")) == 1  # inside the allocation
+    assert not su.events(run, "engine_failed")
+    assert [m["step"] for m in _steps(run)] == list(range(1, STEPS + 1))
+    readmitted = su.events(run, "engine_readmitted")
+    (hung,) = su.events(run, "engine_unhealthy")
+    assert len(readmitted) == 2 and hung["process_state"] == "stopped"
+    verified = {e["version"]: e["t"] for e in su.events(run, "sync_verified")}
+    for back, new in zip(readmitted, su.events(run, "engine_restarted")):
+        assert new["t"] < verified[back["version"]] <= back["t"], (back, new)
+    wait_for("no process of the run left", lambda: not su.leftovers(run), 30, poll_s=0.5)
+    print(f"\nMEASURE lone engine (het job): SIGKILL -> readmitted {readmitted[0]['t'] - killed_at:.1f} s; SIGSTOP -> "
+          f"named {hung['t'] - stopped_at:.1f} s (hang timeout {HANG_TIMEOUT_S:g} s) -> readmitted "
+          f"{readmitted[1]['t'] - stopped_at:.1f} s")

@@ -11,6 +11,7 @@ import re
 import socket
 import time
 
+import psutil
 import pytest
 import yaml
 from click.testing import CliRunner
@@ -101,3 +102,47 @@ def test_resume_of_a_job_that_ended_failed_is_not_refused_by_its_fresh_failed_he
     resumed = re.search(r"submitted slurm job (\d+)", result.output).group(1)
     su.TRACKED.append((resumed, run.path))
     su.wait_done(resumed, run.path, 180, slurm_cluster.kick)
+
+
+def _batch_supervisor(run) -> psutil.Process:
+    """The batch step's process of the run's job: python -m rlslurm.slurm.supervisor (its environment names the
+    run directory)."""
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        if p.info["cmdline"] and "rlslurm.slurm.supervisor" in p.info["cmdline"]:
+            try:
+                if p.environ().get("RLSLURM_RUN_DIR") == str(run) or any(str(run) in a for a in p.info["cmdline"]):
+                    found.append(p)
+            except psutil.Error:
+                continue
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_the_batch_supervisor_killed_requeues_the_job_and_it_finishes(slurm_cluster, tmp_path):
+    """Issue 28, case 2: `kill -9` of the batch script's supervisor ended every component FAILED and nothing
+    requeued the job. The job's strigger (rlslurm/slurm/rejoin.py) now requeues it: it resumes from its
+    newest checkpoint and ends COMPLETED with every step, and nothing of it is left on the machine."""
+    import os
+    import signal
+    from pathlib import Path
+
+    sub = su.submit(su.toy_config(tmp_path / "batch-killed.yaml", tmp_path / "runs", step_delay_s=0.3))
+    run = Path(sub.run_dir)
+    wait_for("the toy job past its first checkpoint", lambda: su.last_step(run) >= su.INTERVAL + 1, 240,
+             on_poll=slurm_cluster.kick)
+    os.kill(_batch_supervisor(run).pid, signal.SIGKILL)
+    killed_at = time.time()
+    su.wait_done(sub.job_id, run, 300, slurm_cluster.kick)
+    found = su.events(run, "batch_requeued")
+    assert len(found) == 1, found  # one requeue, though every component's trigger fired
+    requeued = found[0]
+    assert "FAILED by signal 9" in requeued["reason"] and requeued["result"].startswith("scontrol requeue"), requeued
+    (resumed,) = su.events(run, "resume")
+    assert resumed["restart_count"] == 1 and resumed["step"] >= su.INTERVAL, resumed
+    assert sorted(su.losses(run)) == list(range(1, su.STEPS + 1))
+    assert su.last_step(run) == su.STEPS and len(su.events(run, "done")) == 1
+    wait_for("no process of the run left", lambda: not su.leftovers(run), 30, poll_s=0.5)
+    back = min(p["t"] for p in su.placements(run, restart=1))
+    print(f"\nMEASURE batch supervisor SIGKILL: requeued by the strigger {requeued['t'] - killed_at:.1f} s after, "
+          f"running again {back - killed_at:.1f} s after, resumed from step {resumed['step']}")

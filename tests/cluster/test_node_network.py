@@ -115,10 +115,11 @@ def _return_to_service(node: str) -> None:
 @pytest.mark.parametrize("role", ["train"])
 def test_a_node_set_down_requeues_every_component_together_and_the_job_resumes(slurm_cluster, tmp_path, role):
     """The node of one het component set DOWN mid-run (what slurmctld does to a node whose slurmd stops
-    answering, without its timeout) and drained (so this cluster's ReturnToService=2 does not hand it back at
-    once): SLURM requeues that component and ends the other (FAILED, JobLaunchFailure), a split job that would
-    pend for good; the job's strigger (rlslurm/slurm/rejoin.py) requeues it whole, off the lost node, and it
-    resumes and finishes. diag names the node and SLURM's state; status shows the node kept off."""
+    answering, without its timeout; the local cluster's ReturnToService=1 keeps it DOWN until this test returns
+    it, so the job cannot start on it again): SLURM requeues that component and ends the other (FAILED,
+    JobLaunchFailure), a split job that would pend for good; the job's strigger (rlslurm/slurm/rejoin.py)
+    requeues it whole, off the lost node, and it resumes and finishes. diag names the node and SLURM's state;
+    status shows the node kept off."""
     sub = su.submit(su.toy_config(tmp_path / f"down-{role}.yaml", tmp_path / "runs", step_delay_s=0.3))
     run = Path(sub.run_dir)
     wait_for("the toy job past its first checkpoint", lambda: su.last_step(run) >= su.INTERVAL + 1,
@@ -126,15 +127,16 @@ def test_a_node_set_down_requeues_every_component_together_and_the_job_resumes(s
     (node,) = {p["node"] for p in su.placements(run, role, 0)}
     down_at = time.time()
     commands.scontrol("update", f"NodeName={node}", "State=DOWN", f"Reason=test_{role}_node_down")
-    commands.scontrol("update", f"NodeName={node}", "State=DRAIN", f"Reason=test_{role}_node_down")
     try:
         wait_for(f"job {sub.job_id} requeued whole, off {node}", lambda: su.placements(run, "train", 1),
                  JOB_TIMEOUT_S, on_poll=slurm_cluster.kick, poll_s=0.5)
         back_at = min(p["t"] for p in su.placements(run, restart=1))
         su.wait_done(sub.job_id, run, JOB_TIMEOUT_S, slurm_cluster.kick)
+        node_state_at_done = commands.show_node(node)[0]["State"]
         status = CliRunner().invoke(cli, ["status", str(run)]).output
     finally:
-        commands.scontrol("update", f"NodeName={node}", "State=RESUME")
+        if "DOWN" in commands.show_node(node)[0]["State"]:  # RESUME of a node SLURM returned itself is refused
+            commands.scontrol("update", f"NodeName={node}", "State=RESUME")
     assert {r.get("HetJobOffset", "0"): r["JobState"] for r in commands.show_job(sub.job_id)} == \
         {"0": "COMPLETED", "1": "COMPLETED"}
     rejoined = su.events(run, "components_requeued")
@@ -144,10 +146,13 @@ def test_a_node_set_down_requeues_every_component_together_and_the_job_resumes(s
         assert f"kept off node {node}: lost at restart 1" in status and "SLURM excluded it" in status, status
         assert node in parse.expand_nodelist(commands.show_job(sub.job_id)[0]["ExcNodeList"])
     (lost,) = su.events(run, "node_lost")
-    assert lost["node"] == node and "DRAIN" in lost["state"] and lost["restart_count"] == 1, lost
+    assert lost["node"] == node and "DOWN" in lost["state"] and lost["restart_count"] == 1, lost
+    # Still DOWN when the job finished: nothing but this test's RESUME (in `finally`) returns it.
+    assert "DOWN" in node_state_at_done, node_state_at_done
     assert {p["node"] for p in su.placements(run, restart=1)}.isdisjoint({node})
     assert {p["role"] for p in su.placements(run, restart=1)} == {"train", "rollout"}
     assert su.events(run, "resume")[0]["step"] >= su.INTERVAL and su.last_step(run) == STEPS
+    su.wait_for("no process of the run left", lambda: not su.leftovers(run), 30, poll_s=0.5)
     result = CliRunner().invoke(cli, ["diag", str(run), "--out", str(tmp_path / "bundle"), "--no-live"])
     assert result.exit_code == 0, result.output
     assert f"node failure: {node} lost (" in result.output and f"test_{role}_node_down" in result.output, \

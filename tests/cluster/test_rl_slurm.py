@@ -75,7 +75,7 @@ def sft_export(tmp_path_factory) -> Path:
 def rl_config(path: Path, run_root: Path, init_from: Path, *, method: str, colocate: bool = False,
               reward_component: bool = False, step_delay_s: float = 0.0, time_limit_min: int = 5,
               signal_before_s: int = 30, max_no_progress_restarts: int = 3, backend: str = "torch",
-              steps: int = STEPS, max_restarts: int | None = None) -> Path:
+              steps: int = STEPS, max_restarts: int | None = None, reward_service: str | None = None) -> Path:
     """The RL job's YAML: separate = 1 train node (2 ranks) + 1 rollout node (1 engine); colocate = 1 node.
     reward_component: + the reward service as het component 2 on the `cpu` partition (n5); else inline.
     backend megatron: Megatron-core's trainer with fp32 weights (the engine serves fp32)."""
@@ -98,6 +98,8 @@ def rl_config(path: Path, run_root: Path, init_from: Path, *, method: str, coloc
     }
     if reward_component:
         data["reward"] = {"service": "component", "partition": "cpu", "batch_size": 64}
+    elif reward_service:
+        data["reward"] = {"service": reward_service, "batch_size": 64}
     if backend == "megatron":
         data["memory"] = {"weight_bytes": 4}
     path.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -485,8 +487,10 @@ def test_sigkill_of_a_trainer_rank_restarts_it_in_the_allocation_with_the_engine
 
     # Broadcast, the separate placement's own method: the new controller must form a new group with the kept
     # engine (it drops the old one). Disk sync through the same restart passed too (docs/slurm.md's figures).
+    # The reward service beside the controller (reward.service local): the killed rank 0 is its parent, and
+    # before rlslurm/lifetime.py it ran on under init after the job ended (issue 28, case 4).
     sub = su.submit(rl_config(tmp_path / "rl-trainer-restart.yaml", tmp_path / "runs", sft_export,
-                              method="broadcast", step_delay_s=0.2))
+                              method="broadcast", step_delay_s=0.2, reward_service="local"))
     run = RunDir(sub.run_dir)
     kill_after = 2 * su.INTERVAL + 1  # a checkpoint (step 8) to resume from, and steps since it to redo
     su.wait_for(f"step {kill_after} of {sub.job_id}", lambda: max((m["step"] for m in steps(sub.run_dir)), default=0)
@@ -522,6 +526,10 @@ def test_sigkill_of_a_trainer_rank_restarts_it_in_the_allocation_with_the_engine
     engine_logs = "".join(p.read_text(errors="replace") for p in (sub.run_dir / "logs").glob("rollout-*.log"))
     assert engine_logs.count("stopped: exiting 0") == 1, engine_logs[-2000:]  # stopped once, at the end
     assert trajectory(sub.run_dir) == trajectory(reference)
+    # Nothing of the job is left on the machine, the killed rank 0's reward service included, and the finished
+    # run is resumable at once (no fresh heartbeat of a process that is gone).
+    su.wait_for("no process of the run left", lambda: not su.leftovers(sub.run_dir), 30, poll_s=0.5)
+    assert launch.signs_of_life(run, load_config(run.config), time.time()) is None
     first = next(e for e in su.events(sub.run_dir, "first_step") if e["t"] > killed_at)
     print(f"\nMEASURE RL trainer rank SIGKILL, restart in the allocation: kill -> trainer_restarted "
           f"{restarted['t'] - killed_at:.2f} s -> first new step {first['t'] - restarted['t']:.2f} s "

@@ -526,7 +526,7 @@ def node_failure(root: Path) -> Made:
         commands.scancel(sub.job_id)
         wait_until(f"job {sub.job_id} gone", lambda: _slurm_state(sub.job_id) not in ("PENDING", "COMPLETING"),
                    timeout_s=60)
-        commands.scontrol("update", f"NodeName={node}", "State=IDLE")
+        commands.scontrol("update", f"NodeName={node}", "State=RESUME")  # ReturnToService=1: DOWN until then
 
     return Made(sub.run_dir, slurm=True, stops=[node_back])
 

@@ -143,7 +143,95 @@ def test_an_engine_past_its_restart_budget_is_down_and_fails_the_job_as_an_engin
     assert read_endpoint(endpoint_path(run, 0))["state"] == "down"
     engines = Engines.__new__(Engines)  # the controller's side: only what check_down reads
     engines.files, engines.clients = [endpoint_path(run, 0)], [EngineClient(sup.url)]
-    engines.job = SimpleNamespace(rollout=cfg)
-    with pytest.raises(EngineRequestError, match="down: its supervisor gave up") as raised:
-        engines.check_down()
-    assert raised.value.url == sup.url and raised.value.exit_code == 6  # engine_failed, exit 6: as before
+    engines.job, engines.run, engines.identity = SimpleNamespace(rollout=cfg), run, {}
+    engines.live, engines.down = [True], set()
+    with pytest.raises(EngineRequestError, match="down: its supervisor gave up.*no engine left") as raised:
+        engines.check_down()  # its only engine: none left
+    assert raised.value.url == sup.url
+    (out,) = events.read_events(run, events.ENGINE_OUT)
+    assert out["engine"] == 0 and "past rollout.max_restarts = 1" in out["cause"]
+
+
+def test_an_engine_past_its_budget_leaves_the_rotation_and_the_job_finishes_on_the_engines_left(tmp_path):
+    """Issue 28, case 3: two engines, rollout.max_restarts 1; engine 0 SIGKILLed as soon as it serves, twice
+    (its replacement too): `engine_down` for engine 0, which leaves the rotation for good (`engine_out` says
+    so), and engine 1 serves every remaining step. Before, the controller's check_down failed the job
+    (engine_failed) while engine 1 was serving."""
+    import psutil
+
+    job = load_config(EXAMPLE, ("rollout.engines=2", "train.steps=8", "rl.prompts_per_step=16",
+                                "rollout.max_new_tokens=8", "rl.eval_every=100", "task.eval_size=16",
+                                "checkpoint.interval_steps=1000", "rollout.max_restarts=1", "train.step_delay_s=0.3"))
+    sub = launch.submit(job, config_text=EXAMPLE.read_text(), backend="local", run_root=tmp_path)
+    run = sub.run_dir
+    wait_for("step 1", lambda: len(_steps(run)) >= 1, 180)
+    first = _record(run, 0)
+    os.kill(first["pid"], signal.SIGKILL)
+    killed_at = time.time()
+    second = wait_for("engine 0's replacement serving", lambda: (r := _record(run, 0)).get("state") == "serving"
+                      and r["pid"] != first["pid"] and r, 120, poll_s=0.05)
+    os.kill(second["pid"], signal.SIGKILL)
+    down_at = time.time()
+    results = launch.wait(sub, timeout_s=300, poll_s=0.2)
+    assert [int(code) for code in results] == [0] * len(results), f"ended {results}; see {run}"
+    r = RunDir(run)
+    assert [s["step"] for s in _steps(run)] == list(range(1, 9))
+    (down,) = events.read_events(r, events.ENGINE_DOWN)
+    assert (down["engine"], down["restarts"], down["max_restarts"]) == (0, 1, 1)
+    assert _record(run, 0)["state"] == "down" and _record(run, 1)["state"] == "serving"
+    gone = [e for e in events.read_events(r, events.ENGINE_OUT) if "past rollout.max_restarts" in e["cause"]]
+    assert [e["engine"] for e in gone] == [0], gone
+    after = [s for s in _steps(run) if s["t"] > gone[0]["t"]]
+    assert after and all(s["engines_alive"] == 1 for s in after), after
+    assert not events.read_events(r, events.ENGINE_FAILED)
+    assert len(events.read_events(r, events.DONE)) == 1
+    wait_for("no process of the run left", lambda: not [
+        p.pid for p in psutil.process_iter(["cmdline", "status"]) if p.info["cmdline"] and
+        p.info["status"] != psutil.STATUS_ZOMBIE and any(str(run) in a for a in p.info["cmdline"])], 30)
+    print(f"\nMEASURE engine past its budget (2 engines): first kill -> second kill {down_at - killed_at:.2f} s, "
+          f"-> engine_down {down['t'] - down_at:.2f} s, -> out of rotation {gone[0]['t'] - down['t']:.2f} s")
+
+
+def test_a_lone_engine_killed_or_stopped_is_replaced_resynced_and_verified_while_the_trainer_waits(tmp_path):
+    """Issue 28, case 1: rollout.engines 1 (the default). Its engine SIGKILLed mid-rollout, later SIGSTOPped
+    mid-rollout: no engine is left in rotation, so the controller waits (rollout.request_timeout_s) for its
+    supervisor's replacement, syncs it to the version the step began at, VERIFIES it, readmits it and re-sends
+    the step's prompts to it; the job finishes every step once. Before, the job failed (engine_failed)."""
+    import psutil
+
+    job = load_config(EXAMPLE, ("train.steps=6", "rl.prompts_per_step=16", "rollout.max_new_tokens=24",
+                                "rl.eval_every=100", "task.eval_size=16", "checkpoint.interval_steps=1000",
+                                f"rollout.hang_timeout_s={HANG_TIMEOUT_S}"))
+    assert job.rollout.engines == 1
+    sub = launch.submit(job, config_text=EXAMPLE.read_text(), backend="local", run_root=tmp_path)
+    run, stopped = sub.run_dir, None
+    try:
+        killed, killed_at = _fault_mid_rollout(run, 0, 1, signal.SIGKILL)
+        wait_for("engine 0 back in rotation", lambda: events.read_events(RunDir(run), events.ENGINE_READMITTED),
+                 180)
+        stopped, stopped_at = _fault_mid_rollout(run, 0, len(_steps(run)) + 1, signal.SIGSTOP, timeout_s=180)
+        results = launch.wait(sub, timeout_s=300, poll_s=0.2)
+    finally:
+        if stopped is not None:  # its supervisor killed it; never leave a stopped process behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stopped, signal.SIGKILL)
+    assert [int(code) for code in results] == [0] * len(results), f"ended {results}; see {run}"
+    r = RunDir(run)
+    assert [s["step"] for s in _steps(run)] == list(range(1, 7))
+    assert not events.read_events(r, events.ENGINE_FAILED)
+    (died,) = events.read_events(r, events.ENGINE_DIED)
+    (hung,) = events.read_events(r, events.ENGINE_UNHEALTHY)
+    assert (died["pid"], hung["pid"], hung["process_state"]) == (killed, stopped, "stopped")
+    restarted = events.read_events(r, events.ENGINE_RESTARTED)
+    readmitted = events.read_events(r, events.ENGINE_READMITTED)
+    assert [e["reason"] for e in restarted] == ["died", "hung"] and len(readmitted) == 2
+    verified = {e["version"]: e["t"] for e in events.read_events(r, events.SYNC_VERIFIED)}
+    for back, new in zip(readmitted, restarted):  # back only after a VERIFIED sync that followed the restart
+        assert new["t"] < verified[back["version"]] <= back["t"], (back, new)
+    assert sum(s["prompts_resent"] for s in _steps(run)) >= 2
+    wait_for("no process of the run left", lambda: not [
+        p.pid for p in psutil.process_iter(["cmdline", "status"]) if p.info["cmdline"] and
+        p.info["status"] != psutil.STATUS_ZOMBIE and any(str(run) in a for a in p.info["cmdline"])], 30)
+    print(f"\nMEASURE lone engine: SIGKILL -> readmitted {readmitted[0]['t'] - killed_at:.1f} s; SIGSTOP -> named "
+          f"{hung['t'] - stopped_at:.1f} s (hang timeout {HANG_TIMEOUT_S:g} s) -> readmitted "
+          f"{readmitted[1]['t'] - stopped_at:.1f} s")

@@ -80,3 +80,38 @@ def test_every_cause_has_a_recorded_run():
 def test_an_oom_past_a_forced_preflight_says_so():
     (cause, *_) = classify(recorded_facts(DATA / "oom"))
     assert cause.evidence[0].startswith("submitted with --force past the plan's pre-flight: "), cause.evidence
+
+
+# -- one rule for a finished job (issue 28, case 5): its headline is "finished", what it survived is evidence --
+
+@pytest.mark.parametrize("cause", ["heartbeat_unwritable", "agent_died", "checkpoint_damaged"])
+def test_a_completed_job_is_finished_with_what_it_survived_as_evidence(cause):
+    """These recordings were made while the job still ran; SLURM's COMPLETED (what `diag` reads from sacct
+    once the job ended) must make the headline "finished", the fault evidence under it. Before, a recording
+    whose heartbeats still looked alive headlined the fault ("heartbeat cannot be written")."""
+    facts = recorded_facts(DATA / cause)
+    during = classify(facts)[0]
+    facts.slurm_state = "COMPLETED"
+    (cause_,) = classify(facts)
+    assert cause_.kind == "finished" and cause_.headline.startswith("finished OK"), render([cause_])
+    assert f"survived {cause}: {during.headline}" in cause_.evidence, cause_.evidence
+
+
+def test_a_completed_job_whose_processes_still_beat_is_finished_naming_them():
+    """A process that outlived its finished job (the issue's orphaned reward service) is evidence, not
+    "still running": the job itself is over."""
+    facts = recorded_facts(DATA / "running")
+    facts.slurm_state = "COMPLETED"
+    (cause,) = classify(facts)
+    assert cause.kind == "finished", render([cause])
+    assert sum("still runs after the job finished" in line for line in cause.evidence) == 2, cause.evidence
+
+
+def test_a_finished_job_without_faults_lists_none():
+    (cause,) = classify(recorded_facts(DATA / "finished"))
+    assert cause.headline == "finished OK (2 processes exited cleanly)" and cause.evidence == []
+
+
+def test_a_node_failure_names_the_node():
+    (cause, *_) = classify(recorded_facts(DATA / "node_failure"))
+    assert cause.headline.startswith("node failure: n1 lost"), cause.headline

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlslurm.slurm.rejoin import split
+from rlslurm.slurm.rejoin import batch_killed, split
 
 
 def _job(*states: str) -> list[dict[str, str]]:
@@ -24,3 +24,21 @@ def _job(*states: str) -> list[dict[str, str]]:
 ])
 def test_a_job_is_split_when_one_component_pends_and_slurm_ended_another(states, is_split):
     assert split(_job(*states)) is is_split
+
+
+def _ended(*states: tuple[str, str]) -> list[dict[str, str]]:
+    return [{"JobId": str(12 + i), "HetJobOffset": str(i), "JobState": s, "ExitCode": c}
+            for i, (s, c) in enumerate(states)]
+
+
+@pytest.mark.parametrize("states, killed", [
+    ((("FAILED", "0:9"), ("FAILED", "0:0")), True),     # kill -9 of the batch script's supervisor (issue 28)
+    ((("FAILED", "0:15"), ("FAILED", "0:0")), True),
+    ((("FAILED", "1:0"), ("COMPLETED", "0:0")), False),  # a rank's exception: the supervisor exited 1
+    ((("COMPLETED", "0:0"), ("COMPLETED", "0:0")), False),
+    ((("CANCELLED", "0:15"), ("CANCELLED", "0:15")), False),  # the user's scancel
+    ((("TIMEOUT", "0:15"), ("FAILED", "0:0")), False),        # SLURM's time limit: its own stop
+    ((("FAILED", "0:9"), ("PENDING", "0:0")), False),          # split: the rejoin above handles it
+])
+def test_a_batch_script_killed_by_a_signal_is_told_from_slurms_own_ends(states, killed):
+    assert (batch_killed(_ended(*states)) is not None) is killed
