@@ -7,6 +7,7 @@
     placement   rlslurm/plan/placement.py         rollout    rlslurm/rollout/config.py
     train       rlslurm/train_config.py           rl         rlslurm/rl/config.py
     task        rlslurm/tasks/config.py           reward     rlslurm/reward/config.py
+    data        rlslurm/data/config.py
     sync        rlslurm/sync/config.py            checkpoint rlslurm/checkpoint.py
     diag        diag/config.py (rlslurm.diag.config)
     network     rlslurm/network.py
@@ -24,6 +25,7 @@ from typing import Literal
 from rlslurm.checkpoint import CheckpointConfig
 from rlslurm.config_rules import ignored_values
 from rlslurm.configfile import FieldError, check, check_name, load_mapping, read_yaml
+from rlslurm.data.config import DataConfig
 from rlslurm.diag.config import DiagConfig
 from rlslurm.errors import ConfigError
 from rlslurm.modelspec import ModelConfig
@@ -81,7 +83,9 @@ class JobConfig:
     rl: RLConfig = field(default_factory=RLConfig)
     """GRPO settings."""
     task: TaskConfig = field(default_factory=TaskConfig)
-    """The built-in task and its data."""
+    """The built-in task and its data (what the job trains on when data.train is unset)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """The user's own dataset: files, layout, columns (rlslurm/data/)."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """Scoring and its degradation policy."""
     sync: SyncConfig = field(default_factory=SyncConfig)
@@ -104,6 +108,12 @@ class JobConfig:
         if self.reward.service == "component":
             check(bool(self.reward.partition), "reward.partition",
                   "is required when reward.service = 'component' (the SLURM partition of the reward component)")
+        if self.data.train is not None:
+            check(self.job.kind in ("sft", "rl"), "data.train",
+                  f"is read by the sft and rl entrances; job.kind = {self.job.kind!r} has no data")
+            check(self.job.kind == "sft", "data.train",
+                  "is read by the sft entrance so far; RL on a user's dataset (job.kind = rl) is not built yet: "
+                  "it trains on task:")
         for key, message in ignored_values(self):
             raise FieldError(key, message)
         if self.train.backend == "megatron":
