@@ -82,6 +82,10 @@ def test_a_resumed_run_continues_at_its_saved_data_position(runs, tmp_path):
     ckpt = latest_complete(first)
     assert ckpt.load_json("trainer")["data"] == {"epoch": 20 * 16 // 90, "index": 20 * 16 % 90, "rows": 90,
                                                  "seed": 0}
+    events_before = (first.path / "events.jsonl").read_text()
+    refused = _cli("resume", str(first.path), "--set", "train.steps=40", "--set", "data.train=nope.jsonl")
+    assert refused.returncode == 2 and "data.train = 'nope.jsonl': no such file or directory" in refused.stderr
+    assert (first.path / "events.jsonl").read_text() == events_before, "a refused resume changed the run"
     resumed = _cli("resume", str(first.path), "--set", "train.steps=40", "--wait")
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     losses, straight = _losses(first), _losses(runs["jsonl"])
