@@ -1,4 +1,5 @@
-"""The SFT entrance: supervised training on the task's train split with DDP, then an HF export.
+"""The SFT entrance: supervised training on the job's rows (data.train, or task:'s generated arithmetic) with
+DDP, then an HF export.
 
 Two trainers behind one loop (train.backend): torch (`SFTState` here: DDP + AdamW on the HF model) and
 megatron (rlslurm/megatron/sft.py's `MegatronSFTState`: Megatron-core's DDP, distributed optimizer and
@@ -14,17 +15,19 @@ Run one rank by hand (rank, world and master come from the environment, see rlsl
 
 Each rank calls `run_sft(job, run_dir)`: join the process group (gloo on CPU, NCCL on GPU), build the
 same model from train.seed (or load train.init_from), train train.steps optimizer steps on a data order
-fixed by train.seed, then rank 0 writes <run>/export/hf (config.json, model.safetensors,
-generation_config.json, tokenizer files) atomically — the directory an RL job's `train.init_from` names
-and a vLLM engine loads — and records the greedy held-out accuracy in <run>/metrics.jsonl.
+fixed by train.seed (rlslurm/data/: the rows as Samples, prompt text or chat messages, the loss on the
+completion tokens only; rows past model.max_positions dropped or cut per data.too_long and counted), then
+rank 0 writes <run>/export/hf (config.json, model.safetensors, generation_config.json, tokenizer files)
+atomically — the directory an RL job's `train.init_from` names and a vLLM engine loads — and records the
+held-out result in <run>/metrics.jsonl: greedy accuracy on the task, completion loss on a user's data.
 
 Stop and come back like every entrance (rlslurm/lifecycle.py): checkpoints every `checkpoint.*`
 interval through rlslurm/checkpoint.py; on a drain (SIGUSR1, SIGTERM, <run>/control/drain) all ranks
 stop at one step boundary, checkpoint, requeue and exit 75; a start resumes from the newest complete
-checkpoint. Everything a resume needs (model, optimizer, schedule, every rank's RNG, step; the data
-position follows from the step) is in `SFTState`, so a resumed run ends with the same losses and weights
-as one that never stopped. The phase guard (diag/guard.py) wraps every phase: start, data, train,
-checkpoint, export.
+checkpoint. Everything a resume needs (model, optimizer, schedule, every rank's RNG, step) is in `SFTState`,
+and the data position (epoch, index) is in the checkpoint's trainer.json beside it, so a resumed run ends
+with the same losses and weights as one that never stopped. The phase guard (diag/guard.py) wraps every
+phase: start, data, train, checkpoint, export.
 """
 
 from __future__ import annotations
@@ -45,28 +48,24 @@ from torch.nn.parallel import DistributedDataParallel
 from rlslurm import lifecycle
 from rlslurm.checkpoint import Checkpoint, CheckpointWriter, IntervalPolicy, step_dirname
 from rlslurm.config import JobConfig, load_config
+from rlslurm.data.layout import DataError, RowError
+from rlslurm.data.sampler import Sampler
+from rlslurm.data.splits import load_splits
+from rlslurm.data.table import SampleTable
+from rlslurm.data.tokens import IGNORE, encode, fit, job_tokenizer
 from rlslurm.diag.drain_gate import DrainGate, agreed_reason
 from rlslurm.diag.guard import PhaseGuard
 from rlslurm.dist import Topology, compute_device, init_process_group, release_process_group_users
 from rlslurm.errors import CheckpointError, ConfigError, RlslurmError
 from rlslurm.evaluate import greedy_accuracy
-from rlslurm.events import SFT_EXPORT, SFT_FINISHED, SFT_START, emit
+from rlslurm.events import DATA_ROWS_SKIPPED, SFT_EXPORT, SFT_FINISHED, SFT_START, emit
 from rlslurm.lifecycle import ExitCode
 from rlslurm.metrics_sinks import MetricsLog
 from rlslurm.rundir import RunDir
-from rlslurm.tasks.arithmetic import Problem, make_dev, make_splits
+from rlslurm.tasks.arithmetic import make_dev, parse_prompt
 from rlslurm.tinymodel import build_model, load_hf, save_hf
-from rlslurm.tokenizer import EOS_ID, PAD_ID, build_tokenizer
+from rlslurm.tokenizer import PAD_ID
 from rlslurm.train_config import TrainConfig
-
-IGNORE = -100  # label value the HF loss skips: prompt and padding positions
-
-
-def encode(tokenizer, problem: Problem) -> tuple[list[int], list[int]]:
-    """(input ids, labels) of one example; only the answer and </s> are learned."""
-    prompt = tokenizer(problem.prompt)["input_ids"]
-    target = tokenizer(problem.target, add_special_tokens=False)["input_ids"] + [EOS_ID]
-    return prompt + target, [IGNORE] * len(prompt) + target
 
 
 def collate(examples: list[tuple[list[int], list[int]]]) -> dict[str, torch.Tensor]:
@@ -81,27 +80,10 @@ def collate(examples: list[tuple[list[int], list[int]]]) -> dict[str, torch.Tens
 
 
 def batch_indices(n_examples: int, global_batch: int, seed: int, step: int, rank: int, world: int) -> list[int]:
-    """This rank's example indices for `step`: a pure function, so a resumed job continues the same order.
-
-    The stream is epoch after epoch of permutations seeded by (seed, epoch); a global batch is the next
-    `global_batch` positions of it, dealt round-robin to the ranks.
-    """
-    out = []
-    for position in range(step * global_batch + rank, (step + 1) * global_batch, world):
-        epoch, offset = divmod(position, n_examples)
-        out.append(int(_permutation(n_examples, seed, epoch)[offset]))
-    return out
-
-
-_PERMS: dict[tuple[int, int, int], torch.Tensor] = {}
-
-
-def _permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
-    key = (n, seed, epoch)
-    if key not in _PERMS:
-        _PERMS.clear()  # one epoch at a time is all a run touches
-        _PERMS[key] = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
-    return _PERMS[key]
+    """This rank's example indices for `step` when each step takes `global_batch` positions: a pure function,
+    so a resumed job continues the same order (rlslurm/data/sampler.py: epochs of permutations seeded by
+    (seed, epoch); a global batch is the next `global_batch` positions, dealt round-robin to the ranks)."""
+    return Sampler(n_examples, seed).indices(step * global_batch + rank, global_batch - rank, world)
 
 
 def lr_factor(train: TrainConfig, step: int) -> float:
@@ -169,8 +151,9 @@ class SFTState:
             return None, None
         return save_hf(self.model, directory, max_new_tokens=max_new_tokens), self.model
 
-    def save(self, run: RunDir, topo: Topology, keep: int) -> float:
-        """Collective: every rank's RNG is gathered, rank 0 writes; the save's seconds on every rank."""
+    def save(self, run: RunDir, topo: Topology, keep: int, trainer: dict | None = None) -> float:
+        """Collective: every rank's RNG is gathered, rank 0 writes; the save's seconds on every rank.
+        `trainer`: more of the loop's state for the checkpoint's trainer.json (the data position)."""
         rngs: list = [None] * topo.world_size
         dist.all_gather_object(rngs, torch.get_rng_state())
         seconds = [0.0]
@@ -181,7 +164,7 @@ class SFTState:
                 ckpt.save_state("optimizer", self.optimizer.state_dict())
                 ckpt.save_state("scheduler", self.scheduler.state_dict())
                 ckpt.save_state("rng", rngs)
-                ckpt.save_json("trainer", {"step": self.step})
+                ckpt.save_json("trainer", {"step": self.step, **(trainer or {})})
             seconds = [ckpt.saved.seconds]
         dist.broadcast_object_list(seconds, src=0)
         return seconds[0]
@@ -278,21 +261,33 @@ def run_sft(job: JobConfig, run_dir: Path, *, requeue=lifecycle.requeue_job) -> 
 def _train(job: JobConfig, run: RunDir, topo: Topology, gate: DrainGate, guard: PhaseGuard, started: float,
            requeue, metrics: MetricsLog) -> dict:
     train = job.train
-    tokenizer = build_tokenizer()
-    train_set, held_out = make_splits(job.task)
-    examples = [encode(tokenizer, p) for p in train_set]
-    longest = max(len(ids) for ids, _ in examples) + job.rollout.max_new_tokens
-    if longest > job.model.max_positions:
-        raise ConfigError(f"model.max_positions = {job.model.max_positions} is shorter than a prompt plus "
-                          f"rollout.max_new_tokens = {job.rollout.max_new_tokens} ({longest} tokens)")
+    tokenizer = job_tokenizer(job)
+    train_rows, held_out = load_splits(job)
+    if job.data.train is None:
+        # The generated task: every row is short and known up front, so the whole set is checked here.
+        longest = max(len(encode(tokenizer, train_rows.sample(i))[0]) for i in range(len(train_rows)))
+        longest += job.rollout.max_new_tokens
+        if longest > job.model.max_positions:
+            raise ConfigError(f"model.max_positions = {job.model.max_positions} is shorter than a prompt plus "
+                              f"rollout.max_new_tokens = {job.rollout.max_new_tokens} ({longest} tokens)")
+    sampler = Sampler(len(train_rows), train.seed)
     torch.manual_seed(train.seed + topo.rank)
     state = build_state(job, topo)
     path, proceed = lifecycle.agree_on_start(run, is_main=topo.is_main,
                                              max_no_progress_restarts=job.checkpoint.max_no_progress_restarts)
     if not proceed:
         return {"rank": topo.rank, "step": None, "exit_code": ExitCode.NO_PROGRESS}
+    position = 0  # the data position: rows drawn so far (sampler.state saves it as epoch, index)
     if path:
-        state.load(Checkpoint.open(Path(path), verify=False), topo)  # rank 0 verified it in latest_complete
+        ckpt = Checkpoint.open(Path(path), verify=False)  # rank 0 verified it in latest_complete
+        state.load(ckpt, topo)
+        saved = ckpt.load_json("trainer").get("data")
+        try:
+            # A checkpoint from before the data layer: each step took train.batch_size positions.
+            position = sampler.position(saved) if saved else state.step * train.batch_size
+        except ValueError as e:
+            raise CheckpointError(f"{ckpt.path}: {e}; resume with the data and train.seed it was written "
+                                  "with") from None
     emit(run, SFT_START, role="trainer", rank=topo.rank, world_size=topo.world_size, steps=train.steps,
          start_step=state.step, params=state.params(), device=str(state.device), backend=train.backend)
     time_limit_s = job.cluster.time_limit_min * 60.0 if os.environ.get("SLURM_JOB_ID") else None
@@ -303,7 +298,8 @@ def _train(job: JobConfig, run: RunDir, topo: Topology, gate: DrainGate, guard: 
         nonlocal last_saved
         if last_saved != state.step:
             with guard.phase("checkpoint", step=state.step):
-                policy.observe_save(state.step, state.save(run, topo, job.checkpoint.keep))
+                policy.observe_save(state.step, state.save(run, topo, job.checkpoint.keep,
+                                                           trainer={"data": sampler.state(position)}))
             last_saved = state.step
         return step_dirname(state.step)
 
@@ -331,16 +327,17 @@ def _train(job: JobConfig, run: RunDir, topo: Topology, gate: DrainGate, guard: 
             break
         t0 = time.perf_counter()
         with guard.phase("data", step=state.step + 1):
-            idx = batch_indices(len(examples), train.batch_size, train.seed, state.step, topo.rank, topo.world_size)
-            batch = collate([examples[i] for i in idx])
+            idx = sampler.indices(position + topo.rank, train.batch_size - topo.rank, topo.world_size)
+            batch, skipped = _batch(job, run, tokenizer, train_rows, idx, state.step + 1, topo.rank)
+            position += train.batch_size
         lr = state.lr()
         with guard.phase("train", step=state.step + 1):
             loss, grad_norm = state.train_step(batch, beat=guard.beat)
         step_s = time.perf_counter() - t0
         policy.observe_step(step_s)
         if topo.is_main:
-            metrics.append({"t": time.time(), "kind": "sft_step", "step": state.step,
-                                          "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_s": step_s})
+            metrics.append({"t": time.time(), "kind": "sft_step", "step": state.step, "loss": loss, "lr": lr,
+                            "grad_norm": grad_norm, "step_s": step_s, **({"rows_skipped": skipped} if skipped else {})})
         if train.step_delay_s:
             with guard.phase("train", step=state.step):
                 time.sleep(train.step_delay_s)  # stands in for compute: tests signal mid-run
@@ -393,13 +390,80 @@ class StopAtTarget:
         return result.accuracy >= train.stop_at_accuracy
 
 
-def _evaluate(job, run, metrics, step, export, model, tokenizer, held_out, started) -> dict:
+def _batch(job: JobConfig, run: RunDir, tokenizer, rows: SampleTable, idx: list[int], step: int, rank: int):
+    """This rank's batch of rows `idx`, and what it skipped (rows over model.max_positions, dropped or cut
+    under data.too_long; rows that break the layout's rules), counted over every rank in the step's metrics."""
+    examples, too_long, truncated, bad, reason = [], 0, 0, 0, None
+    for i in idx:
+        sample = rows.try_sample(i)
+        if isinstance(sample, RowError):
+            bad += 1
+            reason = reason or f"{rows.source}: row {rows.file_row(i)}, column {sample.column!r}: {sample.message}"
+            continue
+        example = encode(tokenizer, sample)
+        kept = fit(example, job.model.max_positions, job.data.too_long)
+        if kept is None:
+            too_long += 1
+            reason = reason or (f"{rows.source}: row {rows.file_row(i)} is {len(example[0])} tokens; "
+                                f"model.max_positions = {job.model.max_positions}")
+        elif kept is not example:
+            truncated += 1
+        if kept is not None:
+            examples.append(kept)
+    counts = torch.tensor([too_long, truncated, bad, 0 if examples else 1], dtype=torch.long,
+                          device=compute_device())
+    dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+    too_long, truncated, bad, empty = (int(c) for c in counts)
+    if empty:
+        raise DataError(f"step {step}: every training row of a rank's batch was left out ({reason or 'on a peer'}); "
+                        "check the rows with `rlslurm validate`, or set data.too_long = truncate")
+    skipped = {"too_long": too_long, "truncated": truncated, "bad_rows": bad} if too_long + truncated + bad else {}
+    if skipped and rank == 0:
+        emit(run, DATA_ROWS_SKIPPED, role="trainer", step=step, **skipped,
+             **({"first_reason": reason} if reason else {}))
+    return collate(examples), skipped
+
+
+def _evaluate(job, run, metrics, step, export, model, tokenizer, held_out: SampleTable, started) -> dict:
     emit(run, SFT_EXPORT, role="trainer", rank=0, path=str(export), step=step)
-    result = greedy_accuracy(model, tokenizer, held_out, max_new_tokens=job.rollout.max_new_tokens)
-    record = {"heldout_accuracy": result.accuracy, "heldout_correct": result.correct,
-              "heldout_total": result.total, "export": str(export), "wall_s": time.time() - started}
+    if job.data.train is None:
+        problems = [parse_prompt(s.prompt) for s in held_out.samples()]
+        result = greedy_accuracy(model, tokenizer, problems, max_new_tokens=job.rollout.max_new_tokens)
+        record = {"heldout_accuracy": result.accuracy, "heldout_correct": result.correct,
+                  "heldout_total": result.total}
+    else:
+        record = heldout_loss(job, model, tokenizer, held_out)
+    record.update({"export": str(export), "wall_s": time.time() - started})
     metrics.append({"t": time.time(), "kind": "sft_eval", "step": step, **record})
     return record
+
+
+HELDOUT_ROWS = 256
+"""Held-out rows a data SFT run scores its export's completion loss on (the first ones of data.eval)."""
+
+
+@torch.no_grad()
+def heldout_loss(job: JobConfig, model, tokenizer, held_out: SampleTable) -> dict:
+    """Mean completion-token loss of the trained model on the first HELDOUT_ROWS held-out rows that fit."""
+    model = getattr(model, "module", model)
+    was_training = model.training
+    model.eval()
+    total, tokens, rows = 0.0, 0, 0
+    try:
+        for i in range(min(len(held_out), HELDOUT_ROWS)):
+            sample = held_out.try_sample(i)
+            if isinstance(sample, RowError):
+                continue
+            example = fit(encode(tokenizer, sample), job.model.max_positions, job.data.too_long)
+            if example is None:
+                continue
+            batch = collate([example])
+            n = int((batch["labels"][:, 1:] != IGNORE).sum())
+            out = model(**{k: v.to(model.device) for k, v in batch.items()})
+            total, tokens, rows = total + float(out.loss) * n, tokens + n, rows + 1
+    finally:
+        model.train(was_training)
+    return {"heldout_loss": total / tokens if tokens else None, "heldout_rows": rows, "heldout_tokens": tokens}
 
 
 def _set_cpu_threads(topo: Topology) -> None:

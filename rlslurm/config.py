@@ -7,6 +7,7 @@
     placement   rlslurm/plan/placement.py         rollout    rlslurm/rollout/config.py
     train       rlslurm/train_config.py           rl         rlslurm/rl/config.py
     task        rlslurm/tasks/config.py           reward     rlslurm/reward/config.py
+    data        rlslurm/data/config.py
     sync        rlslurm/sync/config.py            checkpoint rlslurm/checkpoint.py
     diag        diag/config.py (rlslurm.diag.config)
     network     rlslurm/network.py                logging    rlslurm/metrics_sinks.py
@@ -24,6 +25,7 @@ from typing import Literal
 from rlslurm.checkpoint import CheckpointConfig
 from rlslurm.config_rules import ignored_values
 from rlslurm.configfile import FieldError, check, check_name, load_mapping, read_yaml
+from rlslurm.data.config import DataConfig
 from rlslurm.diag.config import DiagConfig
 from rlslurm.errors import ConfigError
 from rlslurm.metrics_sinks import LoggingConfig
@@ -82,7 +84,9 @@ class JobConfig:
     rl: RLConfig = field(default_factory=RLConfig)
     """GRPO settings."""
     task: TaskConfig = field(default_factory=TaskConfig)
-    """The built-in task and its data."""
+    """The built-in task and its data (what the job trains on when data.train is unset)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """The user's own dataset: files, layout, columns (rlslurm/data/)."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """Scoring and its degradation policy."""
     sync: SyncConfig = field(default_factory=SyncConfig)
@@ -108,8 +112,17 @@ class JobConfig:
             check(bool(self.reward.partition), "reward.partition",
                   "is required when reward.service = 'component' (the SLURM partition of the reward component)")
         if self.job.kind == "sft" and self.train.stop_at_accuracy is not None:
+            check(self.data.train is None, "train.stop_at_accuracy",
+                  "is measured on the arithmetic task's dev split (task.dev_size); with data.train it is not built "
+                  "yet: remove it and set train.steps")
             check(self.task.dev_size > 0, "train.stop_at_accuracy",
                   "needs a dev split to measure it on: set task.dev_size (e.g. 500), disjoint from train and held-out")
+        if self.data.train is not None:
+            check(self.job.kind in ("sft", "rl"), "data.train",
+                  f"is read by the sft and rl entrances; job.kind = {self.job.kind!r} has no data")
+            check(self.job.kind == "sft", "data.train",
+                  "is read by the sft entrance so far; RL on a user's dataset (job.kind = rl) is not built yet: "
+                  "it trains on task:")
         for key, message in ignored_values(self):
             raise FieldError(key, message)
         if self.train.backend == "megatron":

@@ -125,6 +125,11 @@ SFT_EXPORT = declare("sft_export", "the SFT job wrote its HF export", by="jobs/s
 SFT_FINISHED = declare("sft_finished", "an SFT trainer rank trained to its end: train.steps, or the dev-split target "
                        "train.stop_at_accuracy (`stopped_by`; rank 0: exported and evaluated)",
                        by="jobs/sft.py", required=("step", "weights_sha256", "stopped_by"), open_fields=True)
+DATA_ROWS_SKIPPED = declare("data_rows_skipped", "an SFT step left out training rows: longer than "
+                            "model.max_positions (data.too_long = drop) or cut to it (truncate), or a row that broke "
+                            "the data layout's rules",
+                            by="jobs/sft.py", required=("step", "too_long", "truncated", "bad_rows"),
+                            optional=("first_reason",), informational=True)
 FINISHED = (DONE, SFT_FINISHED)
 """The kinds a job emits when it trained to the end."""
 

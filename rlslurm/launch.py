@@ -164,11 +164,13 @@ def resume(target: str, *, overrides: tuple[str, ...] = (), force: bool = False,
     there, as a requeue would. `overrides` change its config (e.g. train.steps=120 trains on); validated
     and pre-flighted like a new submission. Refused while a job of the run still shows signs of life."""
     from rlslurm.config import load_config
+    from rlslurm.data.check import check_data
     from rlslurm.plan.report import render_json
     from rlslurm.status import slurm_components
 
     run, previous = find_run(target, run_root)
     job = load_config(run.config, overrides)
+    check_data(job)  # as submit does: a bad data file (or a --set data.train=...) is refused before anything
     plan, problems = checked_plan(job, force)
     last = (read_jsonl(run.path / "submissions.jsonl") or [{}])[-1]
     alive = signs_of_life(run, job, clock())

@@ -82,7 +82,8 @@ class Progress:
 
     def _take(self, record: dict) -> None:
         if record.get("kind") == "sft_eval":
-            self._evaluated(record, record["heldout_accuracy"])
+            if "heldout_accuracy" in record:  # SFT on a user's dataset records a held-out loss instead
+                self._evaluated(record, record["heldout_accuracy"])
             return
         if "step" not in record or record.get("final") or not ("policy_version" in record or "loss" in record):
             return

@@ -28,8 +28,23 @@ VOCAB = {token: i for i, token in enumerate(SPECIALS + ALPHABET)}
 PAD_ID, BOS_ID, EOS_ID = VOCAB[PAD], VOCAB[BOS], VOCAB[EOS]
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """The character-level tokenizer as a transformers fast tokenizer (left padding, for batched generation)."""
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'assistant' -%}{{ m['content'] }}{{ eos_token }}"
+    "{%- elif m['role'] == 'user' -%}{{ m['content'] }}="
+    "{%- endif -%}"
+    "{%- endfor -%}"
+)
+"""The embedded model's chat template, in its own 19-symbol alphabet: a user turn is its text and '=', an
+assistant turn its text and </s>; system turns are left out (no letters to spell them in). The user turn
+"12*3" renders as "<s>12*3=", exactly the plain prompt, so chat rows and text rows train the same model."""
+
+
+def build_tokenizer(chat: bool = False) -> PreTrainedTokenizerFast:
+    """The character-level tokenizer as a transformers fast tokenizer (left padding, for batched generation);
+    `chat`: with CHAT_TEMPLATE (a user's chat dataset on the embedded model; the arithmetic task has none, so
+    task.prompt_style = chat still asks for a model of its own)."""
     core = Tokenizer(models.WordLevel(vocab=dict(VOCAB), unk_token=UNK))
     # Every character is its own pre-token; the word-level model then maps it to an id (or <unk>).
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
@@ -37,10 +52,13 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
                                                         special_tokens=[(BOS, BOS_ID)])
     # Without Fuse, decoding would join characters with spaces ("1 9" for "19").
     core.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
+    tok = PreTrainedTokenizerFast(
         tokenizer_object=core, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK,
         padding_side="left", clean_up_tokenization_spaces=False,
     )
+    if chat:
+        tok.chat_template = CHAT_TEMPLATE
+    return tok
 
 
 def save_tokenizer(directory: str | Path, max_length: int | None = None) -> list[Path]:

@@ -20,9 +20,12 @@ from rlslurm.errors import PreflightError
 @click.option("--explain", is_flag=True, help="Show the terms behind each number.")
 def command(config: str, overrides: tuple[str, ...], as_json: bool, explain: bool) -> None:
     """Per-GPU memory per split, divisibility, placement, sync, roofline, step time, checkpoint interval."""
+    from rlslurm.data.check import check_data
     from rlslurm.plan.report import build_plan, preflight, render_json, render_text
 
-    plan = build_plan(load_config(config, overrides))
+    job = load_config(config, overrides)
+    check_data(job)  # the verdict of validate and submit: a job they refuse for its data is not planned
+    plan = build_plan(job)
     click.echo(render_json(plan) if as_json else render_text(plan, explain=explain), nl=False)
     problems = preflight(plan)
     if problems:

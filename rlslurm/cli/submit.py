@@ -27,7 +27,10 @@ def command(config: str, overrides: tuple[str, ...], force: bool, backend: str |
 
     if dry_run and wait:
         raise click.UsageError("--dry-run submits nothing, so there is nothing to --wait for")
+    from rlslurm.data.check import check_data
+
     job = load_config(config, overrides)
+    check_data(job)  # a bad data file is refused here, before a run directory exists
     if dry_run:
         click.echo(launch.dry_run(job, force=force, backend=backend, run_root=run_root), nl=False)
         return

@@ -15,9 +15,15 @@ from rlslurm.configfile import to_dict
               help="Override a config key, e.g. train.steps=50.")
 @click.option("--print", "show", is_flag=True, help="Print the resolved config (defaults filled in) as YAML.")
 def command(config: str, overrides: tuple[str, ...], show: bool) -> None:
-    """Check CONFIG: syntax, keys, types, values and the rules between sections."""
+    """Check CONFIG: syntax, keys, types, values and the rules between sections; the data files it names
+    (a bounded sample of their rows: columns, types, lengths)."""
+    from rlslurm.data.check import check_data
+
     job = load_config(config, overrides)
+    lines = check_data(job)
     if show:
         click.echo(yaml.safe_dump(to_dict(job), sort_keys=False), nl=False)
     else:
+        for line in lines:
+            click.echo(line)
         click.echo(f"{config}: ok ({job.job.kind} job {job.job.name!r})")

@@ -120,8 +120,9 @@ class MegatronSFTState:
         return {name: t.detach().to("cpu", torch.float32, copy=True)
                 for name, t in export_hf(self.gpt, self.spec, self.layout)}
 
-    def save(self, run: RunDir, topo: Topology, keep: int) -> float:
-        """Collective: rank 0 writes the weights, step and every rank's RNG; every rank its Adam shard."""
+    def save(self, run: RunDir, topo: Topology, keep: int, trainer: dict | None = None) -> float:
+        """Collective: rank 0 writes the weights, step and every rank's RNG; every rank its Adam shard.
+        `trainer`: more of the loop's state for trainer.json (the data position)."""
         from rlslurm.rl.checkpointing import write_shards
 
         rngs: list = [None] * topo.world_size
@@ -139,7 +140,7 @@ class MegatronSFTState:
                 ckpt.save_tensors("model", tensors)
                 ckpt.save_state("optimizer", self.optimizer.state_dict())
                 ckpt.save_state("rng", rngs)
-                ckpt.save_json("trainer", {"step": self.steps})
+                ckpt.save_json("trainer", {"step": self.steps, **(trainer or {})})
         if ckpt is not None:
             seconds = [ckpt.saved.seconds]
         dist.broadcast_object_list(seconds, src=0)

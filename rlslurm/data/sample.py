@@ -1,0 +1,29 @@
+"""One training or evaluation row as both entrances see it, whatever file or layout it came from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+Messages = list[dict[str, str]]
+"""A conversation: [{"role": "user" | "assistant" | "system", "content": "..."}, ...]."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    """A row: `prompt` is what the model is given (text, or messages rendered by the model's chat template),
+    `completion` what SFT teaches it to answer (text; None where the row has none), `reference` the ground truth
+    a reward compares with, `tests` a code problem's tests, `extra` every other column, `row` its index in
+    its split (0-based, as `datasets` counts)."""
+
+    prompt: Union[str, Messages]
+    completion: str | None = None
+    reference: Any = None
+    tests: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    row: int = 0
+
+    @property
+    def is_chat(self) -> bool:
+        """Whether the prompt is a conversation (rendered through a chat template) rather than plain text."""
+        return isinstance(self.prompt, list)

@@ -1,0 +1,62 @@
+"""Samples as token ids: the prompt (text, or messages through the model's chat template) and the completion
+learned after it, and what happens to a row longer than the model's positions.
+
+    ids, labels = encode(tokenizer, sample)      # labels: IGNORE on the prompt, the completion + </s> learned
+    fit((ids, labels), max_positions, "drop")    # as is, cut (truncate), or None (dropped)
+"""
+
+from __future__ import annotations
+
+from rlslurm.data.sample import Sample
+from rlslurm.errors import ConfigError
+
+IGNORE = -100
+"""Label value the HF loss skips: prompt and padding positions."""
+
+
+def job_tokenizer(job):
+    """The tokenizer the job's SFT rows are encoded with: the embedded character tokenizer (with its chat
+    template for a user's dataset), or, for a user's dataset on a model loaded from train.init_from, that
+    model's own."""
+    from rlslurm.tokenizer import build_tokenizer
+
+    if job.data.train is not None and job.train.init_from:
+        from pathlib import Path
+
+        from transformers import AutoTokenizer
+
+        if not (Path(job.train.init_from) / "tokenizer_config.json").is_file():
+            raise ConfigError(f"train.init_from = {job.train.init_from!r}: no model directory with a tokenizer there "
+                              f"(tokenizer_config.json), which encodes data.train's rows; point it at an HF model "
+                              f"directory (an SFT run's <run>/export/hf)")
+        return AutoTokenizer.from_pretrained(job.train.init_from, local_files_only=True)
+    return build_tokenizer(chat=job.data.train is not None)
+
+
+def prompt_ids(tokenizer, sample: Sample) -> list[int]:
+    """Token ids of the prompt as the model is given it (a chat prompt with the assistant's turn opened)."""
+    if sample.is_chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ConfigError("the data holds chat messages, but the model's tokenizer has no chat template; use "
+                              "text prompts (data.layout = trl_prompt_completion) or a model with a chat template")
+        return list(tokenizer.apply_chat_template(sample.prompt, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False))
+    return list(tokenizer(sample.prompt)["input_ids"])
+
+
+def encode(tokenizer, sample: Sample) -> tuple[list[int], list[int]]:
+    """(input ids, labels) of one row; only the completion and </s> are learned."""
+    prompt = prompt_ids(tokenizer, sample)
+    target = tokenizer(sample.completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return prompt + target, [IGNORE] * len(prompt) + target
+
+
+def fit(example: tuple[list[int], list[int]], max_positions: int, too_long: str) -> tuple[list[int], list[int]] | None:
+    """`example` within the model's positions: as is, cut to them (too_long = truncate, while a learned token
+    is left), or None (dropped)."""
+    ids, labels = example
+    if len(ids) <= max_positions:
+        return example
+    if too_long == "truncate" and any(t != IGNORE for t in labels[:max_positions]):
+        return ids[:max_positions], labels[:max_positions]
+    return None
