@@ -367,6 +367,14 @@ class JobStore(dist.Store):
         if self.server is not None:
             self.server.close()
 
+    def __del__(self):
+        # A dropped group (a broadcast group rebuilt after a failure) takes its listener and connections with it,
+        # as torch's TCPStore does in its destructor.
+        try:
+            self.close()
+        except Exception:
+            pass
+
 
 def rendezvous_store(host: str, port: int, *, rank: int, world_size: int, timeout_s: float,
                      token: str | None) -> dist.Store:
