@@ -78,12 +78,13 @@ def parse(body: bytes):
 
 
 def prompts_of(prompt) -> int:
-    """How many prompts a completions `prompt` holds (a string, token ids, or a list of either)."""
-    if prompt is None or isinstance(prompt, str):
+    """How many prompts a completions `prompt` holds: one string or one list of token ids is one; any other list
+    (strings, lists of ids, objects) holds one per item, whatever vLLM makes of each."""
+    if not isinstance(prompt, list) or not prompt:
         return 1
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        return len(prompt)
-    return 1  # one list of token ids (or a shape vLLM itself refuses)
+    if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+        return 1
+    return len(prompt)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -48,6 +48,8 @@ HOSTILE = [
     ('"prompt_logprobs": 100.0', "prompt_logprobs"),
     ('"prompt": ["a", "b", "c", "d"]', "prompts"),
     ('"prompt": ["a", "b", "c"], "n": 3', "sequences"),
+    ('"prompt": [{"prompt_token_ids": [1]}, {"prompt_token_ids": [2]}, {"prompt_token_ids": [3]}, '
+     '{"prompt_token_ids": [4]}]', "prompt"),
 ]
 
 
