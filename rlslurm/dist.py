@@ -178,9 +178,17 @@ def release_process_group_users() -> None:
     dist.barrier()
 
 
-def init_process_group(topo: Topology, timeout_s: float = 120.0, backend: str | None = None) -> None:
+_default_store = None
+"""The store of this process's default group (init_process_group)."""
+
+
+def init_process_group(topo: Topology, timeout_s: float = 120.0, backend: str | None = None,
+                       token: str | None = None) -> None:
     """Join the default process group of this component; a peer that never comes raises at timeout_s.
-    `backend` (default backend_for_device()): "gloo" for a job that computes on the CPU even on a GPU node."""
+    `backend` (default backend_for_device()): "gloo" for a job that computes on the CPU even on a GPU node.
+    The rendezvous is the job's store (rlslurm/jobstore.py), hosted by rank 0 on MASTER_ADDR only (never every
+    interface, as torch's own tcp:// store does), and joined only by ranks that prove the job's secret (`token`,
+    default: the run's secret file, jobstore.job_token())."""
     if dist.is_initialized():
         return
     backend = backend or backend_for_device()
@@ -188,9 +196,16 @@ def init_process_group(topo: Topology, timeout_s: float = 120.0, backend: str | 
         # Before the first collective: NCCL takes the current device, and two local ranks left on cuda:0
         # fail with "Duplicate GPU detected" (the object collectives use the current device too).
         bind_local_gpu(topo.local_rank, required=backend == "nccl")
+    from rlslurm.jobstore import job_token, rendezvous_store
+
+    global _default_store
+    # Held here for the life of the process: torch keeps only the C++ side of a Python store, and a group made
+    # later (new_group, Megatron's) would call a store whose Python half was collected ("Not implemented").
+    _default_store = store = rendezvous_store(topo.master_addr, topo.master_port, rank=topo.rank,
+                                              world_size=topo.world_size, timeout_s=timeout_s, token=job_token(token))
     dist.init_process_group(
         backend=backend,
-        init_method=f"tcp://{topo.master_addr}:{topo.master_port}",
+        store=store,
         rank=topo.rank,
         world_size=topo.world_size,
         timeout=datetime.timedelta(seconds=timeout_s),

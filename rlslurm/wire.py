@@ -55,6 +55,9 @@ class Protect:
                 return await _reply(send, 401, f"{path} needs the job's secret: Authorization: Bearer <token "
                                     "in the run directory's secret file>", "unauthorized",
                                     [(b"www-authenticate", b"Bearer")])
+        refused = self.check_route(path)
+        if refused is not None:
+            return await _reply(send, 403, refused, "route_not_served")
         limit = self.max_body_bytes(path)
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > limit):
@@ -87,6 +90,11 @@ class Protect:
             return await receive()
 
         return await self.app(scope, replay, send)
+
+    def check_route(self, path: str) -> str | None:
+        """A subclass's refusal of a path, once its caller is authenticated (vLLM's gate: a route it does not
+        know, rollout/vllm_serve.py): a message = 403."""
+        return None
 
     def check_body(self, path: str, body: bytes) -> str | None:
         """A subclass's bounds on a body (e.g. vLLM's server, rollout/vllm_serve.py): a message = 400."""

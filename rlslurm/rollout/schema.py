@@ -13,8 +13,9 @@ from __future__ import annotations
 import time
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
+from rlslurm.rollout.bounds import MAX_LOGPROBS, as_count
 from rlslurm.sync.buckets import DTYPES
 
 MAX_TENSORS = 1 << 18
@@ -39,6 +40,9 @@ class Strict(BaseModel):
 # -- data plane --------------------------------------------------------------------------------------
 
 TokenIds = Annotated[list[int], Field(max_length=1 << 20)]
+Whole = Annotated[int, BeforeValidator(as_count)]
+"""A count as vLLM's gate reads one (rollout/bounds.py): an integer or an integral float; never a string, a bool
+or NaN (pydantic alone would take "100" and true)."""
 
 
 class CompletionRequest(Strict):
@@ -47,11 +51,11 @@ class CompletionRequest(Strict):
 
     model: str = Field("", max_length=MAX_NAME)
     prompt: str | list[str] | TokenIds | list[TokenIds]
-    n: int = 1
-    max_tokens: int | None = 16
+    n: Whole = 1
+    max_tokens: Whole | None = 16
     temperature: float | None = Field(1.0, ge=0, le=100)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: Annotated[Whole, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     stream: bool | None = False
     user: str | None = Field(None, max_length=MAX_NAME)
 

@@ -242,8 +242,8 @@ def build_app(server: EngineServer, token: str, *, open_data: bool = False,
         server.group = None
         try:
             server.group = BroadcastGroup.join(body.addr, body.port, body.rank, body.world_size, body.timeout_s,
-                                               generation=body.generation)
-        except RuntimeError as e:  # the trainer's store unreachable, a peer missing: the trainer retries
+                                               generation=body.generation, token=token)
+        except (RuntimeError, ConnectionError) as e:  # the trainer's store unreachable or not the job's, a peer missing
             raise HTTPException(502, f"broadcast join failed: {e}") from None
         return {"rank": server.group.rank, "world_size": server.group.world_size}
 

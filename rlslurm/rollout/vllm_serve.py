@@ -11,9 +11,11 @@ What the server is started with, and why:
 - `--middleware rlslurm.rollout.vllm_serve.SecretGate`: vLLM's `--api-key` guards only /v1; those routes
   would be open to anyone who reaches the port (/collective_rpc calls any worker method by name). The gate is
   rlslurm/wire.py's Protect (every path but /health needs the job's secret, compared in constant time; the
-  body is bounded and buffered before vLLM parses it) plus the job's generation bounds on /v1 bodies (n,
-  max_tokens: vLLM has no flag for either; prompt length is vLLM's own --max-model-len). The secret file's
-  path comes in RLSLURM_SECRET_FILE, never the token (argv and env are visible to `ps`).
+  body is bounded and buffered before vLLM parses it), default deny (only the routes named in DATA_ROUTES and
+  ADMIN_PATHS pass, whatever vLLM mounts; it logs what it found at startup), and the job's generation bounds
+  by value on every data route's body (rollout/bounds.py: n, max_tokens, logprobs, prompts, ...: vLLM has no
+  flag for them; prompt length is vLLM's own --max-model-len). The secret file's path comes in
+  RLSLURM_SECRET_FILE, never the token (argv and env are visible to `ps`).
 - `--weight-transfer-config {"backend": "rlslurm"}` (rollout/vllm_transfer.py, registered through vLLM's
   plugin entry point) and `--worker-extension-cls` rollout/vllm_verify.py WorkerChecks: VERIFY reads what
   every worker serves (rlslurm/rollout/vllm_client.py says why that and not /weight_checker alone).
@@ -34,22 +36,49 @@ from pathlib import Path
 
 from rlslurm import lifetime, secret, wire
 from rlslurm.rollout import engine_guard
+from rlslurm.rollout.bounds import Bounds
 from rlslurm.rollout.client import EngineProcess, EngineRequestError
 
 GATE = "rlslurm.rollout.vllm_serve.SecretGate"
 WORKER_EXTENSION = "rlslurm.rollout.vllm_verify.WorkerChecks"
-DATA_PATHS = ("/v1/completions", "/v1/models")
+
+# What vLLM 0.32's OpenAI server mounts (VLLM_SERVER_DEV_MODE=1, a generate model; the gate logs the live list
+# at startup, tests/vllm/test_vllm_bounds.py reads it): /health /load /version /kv_event_sources /metrics
+# /tokenize /detokenize /v1/models /v1/systemone /ping /invocations /reset_prefix_cache /reset_mm_cache
+# /reset_encoder_cache /collective_rpc /server_info /sleep /release_kv_cache_memory /wake_up /is_sleeping /pause
+# /resume /abort_requests /is_paused /init_weight_transfer_engine /shutdown_weight_transfer_engine
+# /start_weight_update /start_draft_weight_update /update_weights /finish_weight_update /update_weight_version
+# /weight_info /weight_checker /get_world_size /v1/chat/completions /v1/chat/completions/batch /v1/responses
+# /v1/responses/{response_id} /v1/responses/{response_id}/cancel /v1/completions /v1/messages
+# /v1/messages/count_tokens /generative_scoring /scale_elastic_ep /is_scaling_elastic_ep
+# /v1/{chat/completions,messages,completions,responses}/render /v1/{chat/completions,completions}/derender
+# /inference/v1/generate /inference/v1/abort_requests /openapi.json /docs /docs/oauth2-redirect /redoc; a
+# pooling model adds /pooling /classify /score /rerank /v1/embeddings ..., a speech model /v1/audio/* and a
+# WebSocket. Only the routes below pass; every other one, and every WebSocket, is refused (403) even with the
+# secret: a route vLLM adds later is closed until someone decides what it does.
+DATA_ROUTES = {"/v1/completions": "completion", "/v1/chat/completions": "chat", "/invocations": "any",
+               "/tokenize": "tokenize", "/detokenize": "tokenize", "/v1/models": "none"}
+"""Routes that generate or tokenize (and the model list): the data body limit, the job's bounds on their bodies
+(rollout/bounds.py, by the body's shape; /invocations takes a chat or a completion body), open without the
+secret when rollout.open_data_plane is true."""
+DATA_PATHS = tuple(DATA_ROUTES)
+ADMIN_PATHS = ("/pause", "/resume", "/is_paused", "/init_weight_transfer_engine", "/start_weight_update",
+               "/update_weights", "/finish_weight_update", "/update_weight_version", "/weight_info", "/weight_checker",
+               "/collective_rpc", "/abort_requests", "/metrics")
+"""vLLM's RL routes rlslurm's weight sync and supervisor use (rollout/vllm_client.py): the secret, the admin limit."""
 LIMITS_ENV = "RLSLURM_VLLM_LIMITS"
-"""JSON {"max_n", "max_tokens", "max_body_bytes", "open_data", "guard"}: the gate's bounds and the engine's phase
-guard (engine_guard.from_args's arguments), set by the launcher."""
+"""JSON {"max_n", "max_tokens", "max_prompts", "max_batch_rows", "max_body_bytes", "open_data", "guard"}: the gate's
+bounds and the engine's phase guard (engine_guard.from_args's arguments), set by the launcher."""
 ADMIN_BODY_BYTES = 64 << 20  # an update's manifest of many tensors
 ENGINE_POLL_S = 0.5  # how often a /v1 request in flight asks whether vLLM's engine stopped
 
 
 class SecretGate(wire.Protect):
     """ASGI middleware vLLM adds with `--middleware` (it passes only the app): the job's secret on every
-    route but /health, bounded bodies, and n / max_tokens bounds on /v1 requests (a 400 naming the bound);
-    a /v1 request still in flight when vLLM's engine stops is ended (503), see `_until_engine_stops`.
+    route but /health (and the data routes, on an open data plane), a route it does not know refused (403),
+    bounded bodies, and the job's bounds by value on every data route's body (a 400 naming the bound, with or
+    without the secret); a /v1 request still in flight when vLLM's engine stops is ended (503), see
+    `_until_engine_stops`.
     In a job it also wears the engine's phase guard (rollout/engine_guard.py): the API server writes
     heartbeats/rollout-<rank>.json from vLLM's own event loop, as the transformers engine does from its."""
 
@@ -58,30 +87,44 @@ class SecretGate(wire.Protect):
         limits = json.loads(os.environ.get(LIMITS_ENV) or "{}")
         self.guard = engine_guard.from_args(**limits["guard"]) if limits.get("guard") else None
         self._ticker: asyncio.Future | None = None
-        self.max_n = int(limits.get("max_n", 64))
-        self.max_tokens = int(limits.get("max_tokens", 4096))
+        self.bounds = Bounds(**{k: int(limits[k]) for k in ("max_n", "max_tokens", "max_prompts", "max_batch_rows")
+                                if k in limits})
         body = int(limits.get("max_body_bytes", 16 << 20))
         self.inner = app
         super().__init__(self._until_engine_stops, token=secret.from_env_or(None), open_paths=("/health",),
                          data_paths=DATA_PATHS,
                          open_data=bool(limits.get("open_data", False)),
-                         max_body_bytes=lambda path: body if path.startswith("/v1/") else ADMIN_BODY_BYTES)
+                         max_body_bytes=lambda path: body if path in DATA_ROUTES else ADMIN_BODY_BYTES)
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "lifespan" and self.guard is not None:
-            return await self.inner(scope, self._beating(receive), send)
-        # Default deny reaches WebSockets too (vLLM serves some, e.g. realtime audio): Protect passes every
-        # scope that is not HTTP through, which suits rlslurm's own servers (they have none) but not vLLM's.
+        if scope["type"] == "lifespan":
+            return await self.inner(scope, self._starting(scope, receive), send)
+        # Default deny reaches WebSockets too (vLLM serves some, e.g. realtime audio): the job uses none, and
+        # Protect passes every scope that is not HTTP through (rlslurm's own servers have none).
         if scope["type"] == "websocket":
-            presented = dict(scope["headers"]).get(b"authorization")
-            if not secret.matches(presented.decode("latin-1") if presented else None, self.token):
-                return await send({"type": "websocket.close", "code": 1008})
+            return await send({"type": "websocket.close", "code": 1008})
         return await super().__call__(scope, receive, send)
 
-    def _beating(self, receive):
-        """`receive` of vLLM's lifespan, which starts the heartbeat at startup and ends it at shutdown."""
+    def check_route(self, path: str) -> str | None:
+        if path in DATA_ROUTES or path in ADMIN_PATHS or path in self.open_paths:
+            return None
+        return (f"{path} is not served through rlslurm's gate: vLLM's routes are closed but for the job's data "
+                f"routes ({', '.join(DATA_ROUTES)}) and its weight-sync routes (rlslurm/rollout/vllm_serve.py)")
+
+    def _starting(self, scope, receive):
+        """`receive` of vLLM's lifespan: at startup it logs the routes vLLM mounted and what the gate does with
+        each, and starts the heartbeat (with a phase guard); at shutdown it ends the heartbeat."""
         async def watched():
             message = await receive()
+            if message["type"] == "lifespan.startup":
+                paths = sorted({getattr(r, "path", "") for r in getattr(scope.get("app"), "routes", ())} - {""})
+                kinds = {"data": [p for p in paths if p in DATA_ROUTES],
+                         "admin": [p for p in paths if p in ADMIN_PATHS],
+                         "open": [p for p in paths if p in self.open_paths]}
+                kinds["refused"] = [p for p in paths if self.check_route(p) is not None]
+                print(f"rlslurm gate routes: {json.dumps(kinds)}", file=sys.stderr, flush=True)
+            if self.guard is None:
+                return message
             if message["type"] == "lifespan.startup" and self._ticker is None:
                 self._ticker = asyncio.ensure_future(engine_guard.beats(self.guard))
             elif message["type"] == "lifespan.shutdown" and self._ticker is not None:
@@ -98,9 +141,10 @@ class SecretGate(wire.Protect):
         output handler went with the engine), so the server lived as long as its slowest caller's timeout
         (measured: > 30 s after SIGTERM with a generation in flight; tests/vllm/test_vllm_trust.py). Each /v1
         request runs as a task that is cancelled, and answered 503, once vLLM's engine client says it errored
-        or stopped (AsyncLLM.errored), which also ends requests to an EngineCore that died."""
+        or stopped (AsyncLLM.errored), which also ends requests to an EngineCore that died. (Every data route:
+        /invocations generates as /v1/completions does.)"""
         engine = getattr(getattr(scope.get("app"), "state", None), "engine_client", None)
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/") or engine is None:
+        if scope["type"] != "http" or scope["path"] not in DATA_ROUTES or engine is None:
             return await self.inner(scope, receive, send)
         started = False
 
@@ -121,21 +165,10 @@ class SecretGate(wire.Protect):
         return task.result()
 
     def check_body(self, path: str, body: bytes) -> str | None:
-        if not path.startswith("/v1/") or not body:
-            return None
-        try:
-            request = json.loads(body)
-        except ValueError:
-            return None  # vLLM's own validation answers a malformed body
-        if not isinstance(request, dict):
-            return None
-        n, max_tokens = request.get("n", 1), request.get("max_tokens")
-        if isinstance(n, int) and n > self.max_n:
-            return f"n = {n} is over this engine's limit of {self.max_n} (rollout.max_n)"
-        if isinstance(max_tokens, int) and max_tokens > self.max_tokens:
-            return (f"max_tokens = {max_tokens} is over this engine's limit of {self.max_tokens} "
-                    "(rollout.max_new_tokens)")
-        return None
+        shape = DATA_ROUTES.get(path)
+        if shape is None or not body:
+            return None  # an admin body (the job's own weight sync), or none
+        return self.bounds.check(body, shape)
 
 
 def serve_command(model_dir: str | Path, *, python: str, host: str, port: int, tp: int = 1, name: str = "policy",
@@ -209,13 +242,16 @@ def limits_of(server_args: list[str]) -> dict:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--max-n", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=4096)
+    p.add_argument("--max-prompts", type=int, default=Bounds.max_prompts)
+    p.add_argument("--max-batch-rows", type=int, default=Bounds.max_batch_rows)
     p.add_argument("--max-body-mb", type=float, default=16.0)
     p.add_argument("--open-data-plane", action="store_true")
     engine_guard.add_args(p)
-    known, _ = p.parse_known_args(server_args)  # the rest (prompts per request, rows, ...) vLLM bounds itself
+    known, _ = p.parse_known_args(server_args)  # the rest (prompt tokens, deadlines, ...) vLLM bounds itself
     guard = {"run_dir": known.run_dir, "rank": known.rank, "heartbeat_interval_s": known.heartbeat_interval_s,
              "phase_timeout_s": known.phase_timeout_s}
-    return {"max_n": known.max_n, "max_tokens": known.max_tokens, "max_body_bytes": int(known.max_body_mb * 2**20),
+    return {"max_n": known.max_n, "max_tokens": known.max_tokens, "max_prompts": known.max_prompts,
+            "max_batch_rows": known.max_batch_rows, "max_body_bytes": int(known.max_body_mb * 2**20),
             "open_data": known.open_data_plane, **({"guard": guard} if known.run_dir else {})}
 
 

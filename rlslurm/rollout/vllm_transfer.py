@@ -142,6 +142,7 @@ class RlslurmTransferEngine(WeightTransferEngine[RlslurmInitInfo, RlslurmUpdateI
 
         self.group = None  # a rebuilt group replaces one a failure broke
         # gloo on CPU, NCCL on a GPU worker: BroadcastGroup picks as the trainer's side does (never run on a GPU).
+        # The job's secret from the file the server's environment names (RLSLURM_SECRET_FILE, vllm_serve.serve_env).
         self.group = BroadcastGroup.join(init_info.addr, init_info.port, init_info.rank_offset + self._tp_rank(),
                                          init_info.world_size, init_info.timeout_s, generation=init_info.generation)
 

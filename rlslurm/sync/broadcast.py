@@ -1,7 +1,8 @@
 """Broadcast transport: one process group spanning trainer rank 0 (rank 0 here) and every engine.
 
 The group is built by hand, apart from any default group either side already has (a process cannot
-`init_process_group` twice): a `TCPStore` hosted by the trainer plus `ProcessGroupGloo(store, rank,
+`init_process_group` twice): the job's store hosted by the trainer (rlslurm/jobstore.py: bound to the trainer's
+address only, joined only by a process that proves the job's secret) plus `ProcessGroupGloo(store, rank,
 world)` on CPU, or `ProcessGroupNCCL` on GPU — the same code. Weights travel in buckets of
 `sync.bucket_mb` (tensors flattened to bytes, one broadcast per bucket, landed on the engine).
 
@@ -12,7 +13,7 @@ landing.py). Every collective has the group's timeout, so a dead engine raises i
 after any failure the group is dropped and rebuilt at the next sync.
 
 Trainer: `BroadcastTransport(host, bucket_mb=64).send(tensors, engines, version, timeout_s)`.
-Engine:  `group = BroadcastGroup.join(addr, port, rank, world, timeout_s)`, then `receive(...)`.
+Engine:  `group = BroadcastGroup.join(addr, port, rank, world, timeout_s, token=...)`, then `receive(...)`.
 """
 
 from __future__ import annotations
@@ -47,18 +48,21 @@ class BroadcastGroup:
     """A process group of its own (rank 0 = the trainer), for weight broadcasts only."""
 
     def __init__(self, pg, store, rank: int, world_size: int, device: torch.device, timeout_s: float):
-        self.pg, self.store = pg, store
+        self.pg, self.store = pg, store  # held: the group calls a Python store (rlslurm/jobstore.py) it does not own
         self.rank, self.world_size = rank, world_size
         self.device, self.timeout_s = device, timeout_s
 
     @classmethod
     def join(cls, addr: str, port: int, rank: int, world_size: int, timeout_s: float,
-             device: str | None = None, generation: int = 0) -> "BroadcastGroup":
-        """Rendezvous with all `world_size` members; blocks until they all join or timeout_s passes."""
+             device: str | None = None, generation: int = 0, token: str | None = None) -> "BroadcastGroup":
+        """Rendezvous with all `world_size` members; blocks until they all join or timeout_s passes. `token`: the
+        job's secret (default: jobstore.job_token()), which every member proves to the store rank 0 hosts."""
+        from rlslurm.jobstore import job_token, rendezvous_store
+
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timeout,
-                              wait_for_workers=False)
+        store = rendezvous_store(addr, port, rank=rank, world_size=world_size, timeout_s=timeout_s,
+                                 token=job_token(token))
         # A fresh prefix per generation: a rebuilt group must not read the keys of a broken one.
         prefixed = dist.PrefixStore(f"rlslurm-sync-{generation}", store)
         if dev.type == "cuda":
@@ -131,10 +135,12 @@ class BroadcastTransport:
         self.generation += 1
         log.info("building the sync group: %d engines (%d ranks), store %s:%d, timeout %.0f s",
                  len(engines), world - 1, self.host, port, timeout_s)
+        # The engines hold the job's secret (their clients send it): the trainer proves the same one to its store.
+        token = next((e.token for e in engines if getattr(e, "token", None)), None)
         with ThreadPoolExecutor(len(engines)) as pool:
             joins = [pool.submit(e.broadcast_join, self.host, port, first, world, self.generation, timeout_s)
                      for first, e in zip(firsts, engines)]
-            group = BroadcastGroup.join(self.host, port, 0, world, timeout_s, generation=self.generation)
+            group = BroadcastGroup.join(self.host, port, 0, world, timeout_s, generation=self.generation, token=token)
             for f in joins:
                 f.result()
         self.group, self._members = group, urls

@@ -14,6 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+import hostile_bodies
+from hostile_bodies import HOSTILE, SERVER_FLAGS
 from rlslurm.rollout.engine import HFEngine
 from rlslurm.rollout.server import EngineServer, build_app
 from rlslurm.secret import bearer
@@ -225,7 +227,7 @@ def test_verify_refuses_an_empty_or_partial_expectation(engine, tmp_path):
     ({"prompt": [1, 2, 46]}, "token id 46 is outside the vocabulary [0, 46)"),
     ({"prompt": [[5, 6], [-1]]}, "token id -1 is outside the vocabulary"),
     ({"prompt": "abc", "top_p": 0.5}, "top_p: Extra inputs are not permitted"),
-    ({"prompt": "abc", "n": "many"}, "n: Input should be a valid integer"),
+    ({"prompt": "abc", "n": "many"}, "n: Value error, a count must be a whole number, not a string"),
     ({"prompt": ""}, "prompt 0 encodes to zero tokens"),
 ])
 def test_each_request_bound_is_a_400_that_names_it(engine, body, named):
@@ -234,6 +236,22 @@ def test_each_request_bound_is_a_400_that_names_it(engine, body, named):
     assert r.status_code == 400, r.text
     assert named in r.json()["error"]["message"], r.json()
     assert time.monotonic() - started < 5  # refused up front, not after generating
+
+
+@pytest.mark.parametrize("fragment, named", HOSTILE, ids=[f for f, _ in HOSTILE])
+def test_hostile_numbers_in_every_json_type_are_a_400(engine, fragment, named):
+    """The table vLLM's gate is held to (tests/vllm/test_vllm_bounds.py): a count by value, whatever its type."""
+    assert LIMITS[:8] == SERVER_FLAGS  # the same limits as the vLLM server the table also runs against
+    r = http(engine).post("/v1/completions", content=hostile_bodies.body(fragment),
+                          headers={"content-type": "application/json"})
+    assert r.status_code == 400, (fragment, r.status_code, r.text[:300])
+    assert named in r.json()["error"]["message"], (fragment, r.json())
+
+
+def test_an_integral_float_within_bounds_is_served(engine):
+    r = http(engine).post("/v1/completions", json={"prompt": "abc", "n": 2.0, "max_tokens": 3.0, "logprobs": 1.0})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 2
 
 
 def test_a_body_past_its_limit_is_413_declared_or_streamed(engine):

@@ -36,13 +36,17 @@ def test_the_environment_names_the_secret_file_never_the_secret_and_binds_thread
 def test_the_limits_are_the_rollout_servers_flags():
     args = RolloutConfig(max_new_tokens=12, max_request_mb=2, open_data_plane=True).server_args(
         samples_per_prompt=8, prompts_per_request=16, eval_prompts=100)
-    assert limits_of(args) == {"max_n": 8, "max_tokens": 12, "max_body_bytes": 2 << 20, "open_data": True}
+    assert limits_of(args) == {"max_n": 8, "max_tokens": 12, "max_prompts": 100, "max_batch_rows": 128,
+                               "max_body_bytes": 2 << 20, "open_data": True}
 
 
 @pytest.mark.parametrize("body, named", [
-    ({"prompt": "a", "n": 9}, "n = 9 is over this engine's limit of 8 (rollout.max_n)"),
-    ({"prompt": "a", "max_tokens": 13}, "max_tokens = 13 is over this engine's limit of 12"),
+    ({"prompt": "a", "n": 9}, "n = 9 is outside [1, 8], this engine's limit (rollout.max_n)"),
+    ({"prompt": "a", "max_tokens": 13}, "max_tokens = 13 is outside [1, 12]"),
+    ({"prompt": "a", "n": 9.0}, "n = 9 is outside [1, 8]"),
+    ({"prompt": "a", "n": "9"}, "n must be a whole number, not a string"),
     ({"prompt": "a", "n": 8, "max_tokens": 12}, None),
+    ({"prompt": "a", "n": 8.0, "max_tokens": 12.0}, None),
 ])
 def test_the_gate_bounds_n_and_max_tokens(body, named, tmp_path, monkeypatch):
     monkeypatch.setenv(secret.ENV_VAR, str(secret.ensure(tmp_path / "secret")))
@@ -61,7 +65,18 @@ def test_the_gate_refuses_to_start_without_a_secret(monkeypatch):
         SecretGate(app=None)
 
 
-def test_the_gate_closes_a_websocket_without_the_secret(tmp_path, monkeypatch):
+def test_the_gate_knows_its_routes_and_refuses_the_rest(tmp_path, monkeypatch):
+    monkeypatch.setenv(secret.ENV_VAR, str(secret.ensure(tmp_path / "secret")))
+    gate = SecretGate(app=None)
+    for path in ("/v1/completions", "/invocations", "/tokenize", "/collective_rpc", "/health", "/metrics"):
+        assert gate.check_route(path) is None, path
+    for path in ("/v1/responses", "/inference/v1/generate", "/sleep", "/v1/completions/", "/docs", "/pooling"):
+        assert "not served through rlslurm's gate" in gate.check_route(path), path
+    assert gate.max_body_bytes("/tokenize") == gate.max_body_bytes("/v1/completions") == 16 << 20
+    assert gate.max_body_bytes("/update_weights") == 64 << 20
+
+
+def test_the_gate_closes_every_websocket(tmp_path, monkeypatch):
     import asyncio
 
     path = secret.ensure(tmp_path / "secret")
@@ -82,6 +97,5 @@ def test_the_gate_closes_a_websocket_without_the_secret(tmp_path, monkeypatch):
 
     connect([])
     connect([(b"authorization", b"Bearer wrong")])
-    assert sent == [{"type": "websocket.close", "code": 1008}] * 2 and not reached
-    connect([(b"authorization", f"Bearer {secret.read(path)}".encode())])
-    assert reached == ["/v1/realtime"]
+    connect([(b"authorization", f"Bearer {secret.read(path)}".encode())])  # the job uses none: closed to all
+    assert sent == [{"type": "websocket.close", "code": 1008}] * 3 and not reached
