@@ -5,11 +5,13 @@ beats, or a bad override, is refused with nothing submitted."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from rl_runs import ROOT, submit_example, trajectory
@@ -52,7 +54,10 @@ def test_resume_refuses_a_live_run_and_a_bad_override_and_submits_nothing(tmp_pa
     beat = run.heartbeats / "train-0.json"
     record = json.loads(beat.read_text())
     assert record["state"] == "exited"  # the finished run: resumable at once (the first test resumes it)
-    beat.write_text(json.dumps({**record, "state": "running", "written": time.time()}))  # as a live rank's
+    # As a live rank's: a running state, a fresh beat, and a process that runs (this one; a dead pid's fresh
+    # heartbeat no longer blocks a resume, rlslurm/diag/heartbeat.py gone_here).
+    beat.write_text(json.dumps({**record, "state": "running", "written": time.time(), "pid": os.getpid(),
+                                "pid_started": psutil.Process().create_time()}))
     with pytest.raises(RlslurmError, match=r"is not stopped: train-0 \(pid \d+ on .*\) beat .* rlslurm drain"):
         launch.resume(str(run_dir), overrides=("train.steps=3",))
     assert (run_dir / "submissions.jsonl").read_text() == submissions
