@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 import spine_util as su
+from exit_hold import plant_exit_hold
 from rlslurm import launch
 from rlslurm.checkpoint import step_dirname
 from rlslurm.config import load_config
@@ -94,29 +95,13 @@ def test_sft_requeued_by_slurm_resumes_and_ends_like_the_run_off_slurm(slurm_clu
           f"start -> first step {first - started:.2f} s)")
 
 
-HOLD_RANK_1_AT_EXIT = """
-import atexit, os, sys, time
-
-def _hold():
-    if sys.argv and sys.argv[0].endswith(os.path.join("submitit", "core", "_submit.py")):
-        open(os.environ["RLSLURM_TEST_HELD"], "w").write(str(os.getpid()))
-        time.sleep(3600)  # stands in for a teardown that never returns
-
-if os.environ.get("SLURM_PROCID") == "1":
-    atexit.register(_hold)
-"""
 
 
 def test_a_rank_that_outlives_the_finished_job_is_ended_by_srun_wait_and_named(slurm_cluster, tmp_path, monkeypatch):
     """Issue 26 part 4 on SLURM: rank 1 is held at interpreter exit after its entrance returned (a sitecustomize
     on PYTHONPATH; the job's code is unchanged). srun's --wait=train.exit_grace_s (the trainer supervisor adds
     it) ends it; the supervisor names it (`rank_outlived_job`) and the job ends COMPLETED, not FAILED."""
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(HOLD_RANK_1_AT_EXIT)
-    held = tmp_path / "held.pid"
-    monkeypatch.setenv("PYTHONPATH", f"{site}:{Path(__file__).resolve().parents[2]}")
-    monkeypatch.setenv("RLSLURM_TEST_HELD", str(held))
+    held = plant_exit_hold(tmp_path, monkeypatch, rank_var="SLURM_PROCID")
     grace_s = 5
     sub = su.submit(sft_config(tmp_path / "sft-held.yaml", tmp_path / "runs", backend="slurm", exit_grace_s=grace_s))
     su.wait_for(f"SFT job {sub.job_id} ended", lambda: su.state(sub.job_id) in ("COMPLETED", "FAILED", "CANCELLED"),

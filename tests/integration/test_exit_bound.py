@@ -18,6 +18,7 @@ from pathlib import Path
 import psutil
 from click.testing import CliRunner
 
+from exit_hold import plant_exit_hold
 from rlslurm import events, launch
 from rlslurm.cli.main import cli
 from rlslurm.config import load_config
@@ -26,17 +27,6 @@ from rlslurm.rundir import RunDir
 ROOT = Path(__file__).resolve().parents[2]
 GRACE_S = 4.0
 
-HOLD_RANK_1_AT_EXIT = '''
-import atexit, os, sys, time
-
-def _hold():
-    if sys.argv and sys.argv[0].endswith(os.path.join("submitit", "core", "_submit.py")):
-        open(os.environ["RLSLURM_TEST_HELD"], "w").write(str(os.getpid()))
-        time.sleep(3600)  # stands in for a teardown that never returns
-
-if os.environ.get("SUBMITIT_LOCAL_GLOBALID") == "1":
-    atexit.register(_hold)
-'''
 
 
 def run_processes(run_dir: Path) -> list[psutil.Process]:
@@ -52,12 +42,7 @@ def run_processes(run_dir: Path) -> list[psutil.Process]:
 
 
 def test_a_rank_past_the_grace_after_rank_0_finished_is_ended_and_named(tmp_path, monkeypatch):
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(HOLD_RANK_1_AT_EXIT)
-    held = tmp_path / "held.pid"
-    monkeypatch.setenv("PYTHONPATH", f"{site}:{ROOT}")
-    monkeypatch.setenv("RLSLURM_TEST_HELD", str(held))
+    held = plant_exit_hold(tmp_path, monkeypatch, rank_var="SUBMITIT_LOCAL_GLOBALID")
     path = ROOT / "examples" / "tiny-sft.yaml"
     job = load_config(path, (f"train.exit_grace_s={GRACE_S}", "train.steps=40", "train.warmup_steps=5",
                              "train.stop_at_accuracy=null"))
