@@ -259,9 +259,12 @@ def env_mismatch(root: Path) -> Made:
 
 
 def engine_crash(root: Path) -> Made:
-    """An RL run whose engine process is SIGKILLed after the second step: the controller's next call to it
-    (the rollout, or the sync's DRAIN) is refused, and the job fails naming the engine."""
-    sub = submit(RL_EXAMPLE, root / "runs", (*RL_SMALL, "train.steps=200", "train.step_delay_s=0.2"))
+    """An RL run whose engine process is SIGKILLed after the second step, with no restart to replace it
+    (rollout.max_restarts 0: with restarts the lone engine is replaced in the allocation and the run goes on,
+    test_engine_failover.py): the controller's next call to it (the rollout, or the sync's DRAIN) is refused,
+    and the job fails naming the engine."""
+    sub = submit(RL_EXAMPLE, root / "runs", (*RL_SMALL, "train.steps=200", "train.step_delay_s=0.2",
+                                              "rollout.max_restarts=0"))
     wait_until("the RL run's second step", lambda: _steps(sub.run_dir) >= 2, sub)
     (engine,) = [p for p in read_jsonl(sub.run_dir / "placement.jsonl") if p["role"] == "rollout"]
     os.kill(engine["pid"], signal.SIGKILL)
@@ -273,10 +276,10 @@ def engine_crash(root: Path) -> Made:
 def engine_hang(root: Path) -> Made:
     """An RL run with one engine whose server is SIGSTOPped after the second step: its supervisor finds no
     healthy /health answer for rollout.hang_timeout_s (3 s here), kills it (engine_unhealthy: engine, node,
-    pid, process state stopped) and replaces it; the controller's call in flight to it fails meanwhile, no
-    engine is left in rotation, and the job fails naming the engine."""
+    pid, process state stopped); with no restart left (rollout.max_restarts 0: with restarts the lone engine
+    is replaced in the allocation and the run goes on) no engine is left, and the job fails naming the engine."""
     sub = submit(RL_EXAMPLE, root / "runs", (*RL_SMALL, "train.steps=200", "train.step_delay_s=0.2",
-                                              "rollout.hang_timeout_s=3"))
+                                              "rollout.hang_timeout_s=3", "rollout.max_restarts=0"))
     wait_until("the RL run's second step", lambda: _steps(sub.run_dir) >= 2, sub)
     pid = _json(sub.run_dir / "endpoints" / "engine-0.json")["pid"]
     os.kill(pid, signal.SIGSTOP)
