@@ -71,7 +71,7 @@ class DataConfig:
     """A training row longer than model.max_positions: drop = skip it, truncate = cut its completion; either
     way counted in the step metrics and a `data_too_long` event."""
     check_rows: int = 1000
-    """Rows of each file `rlslurm validate` and `submit` read and check before anything runs. Range [1, 1e6]."""
+    """Rows of each file `rlslurm validate` and `submit` read and check before anything runs. Range [1, 1000000]."""
     check_time_s: float = 20.0
     """Seconds those checks may read for, per file, before they stop at the rows read. Range (0, 600]."""
 

@@ -21,6 +21,7 @@ import pytest
 from click.testing import CliRunner
 
 import spine_util as su
+from rlslurm import secret
 from rlslurm.cli.main import cli
 from rlslurm.slurm import commands, parse
 from spine_util import STEPS
@@ -63,8 +64,11 @@ dist.destroy_process_group()
 """
 
 
-def test_two_ranks_on_two_nodes_meet_at_the_address_slurm_gives(slurm_cluster):
+def test_two_ranks_on_two_nodes_meet_at_the_address_slurm_gives(slurm_cluster, tmp_path, monkeypatch):
     net = _net(slurm_cluster)
+    # The rendezvous on a node's address admits only ranks that hold the job's secret (rlslurm/jobstore.py):
+    # srun hands this environment to both tasks, as a job's run directory would.
+    monkeypatch.setenv(secret.ENV_VAR, str(secret.ensure(tmp_path / "secret")))
     out = commands.run(["srun", "-p", "train", "-N2", "-n2", "--time=2", sys.executable, "-c", GLOO],
                        timeout_s=120).stdout
     rows = sorted(line.split() for line in out.splitlines() if line.strip())
