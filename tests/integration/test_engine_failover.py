@@ -56,22 +56,31 @@ def _fault_mid_rollout(run: Path, i: int, after_step: int, sig: int, timeout_s: 
     return record["pid"], time.time()
 
 
+def _kill_then_stop(sub, stopped_engine: int, timeout_s: float, wait_s: float):
+    """Engine 0 SIGKILLed mid-rollout of step 2; once it is back in rotation, `stopped_engine` SIGSTOPped mid-rollout
+    of the next step; the run waited for. (killed pid, when, stopped pid, when, the ranks' results)."""
+    run, stopped = sub.run_dir, None
+    try:
+        killed, killed_at = _fault_mid_rollout(run, 0, 1, signal.SIGKILL)
+        wait_for("engine 0 back in rotation", lambda: events.read_events(RunDir(run), events.ENGINE_READMITTED),
+                 timeout_s)
+        stopped, stopped_at = _fault_mid_rollout(run, stopped_engine, len(_steps(run)) + 1, signal.SIGSTOP,
+                                                 timeout_s=timeout_s)
+        results = launch.wait(sub, timeout_s=wait_s, poll_s=0.2)
+    finally:
+        if stopped is not None:  # its supervisor killed it; never leave a stopped process behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stopped, signal.SIGKILL)
+    return killed, killed_at, stopped, stopped_at, results
+
+
 def test_failed_engines_are_replaced_and_readmitted_while_the_job_runs(tmp_path):
     job = load_config(EXAMPLE, ("rollout.engines=2", "train.steps=6", "rl.prompts_per_step=32",
                                 "rollout.max_new_tokens=24", "rl.eval_every=100", "task.eval_size=16",
                                 "checkpoint.interval_steps=1000", f"rollout.hang_timeout_s={HANG_TIMEOUT_S}"))
     sub = launch.submit(job, config_text=EXAMPLE.read_text(), backend="local", run_root=tmp_path)
-    run, stopped = sub.run_dir, None
-    try:
-        killed, _ = _fault_mid_rollout(run, 0, 1, signal.SIGKILL)
-        wait_for("engine 0 back in rotation", lambda: events.read_events(RunDir(run), events.ENGINE_READMITTED),
-                 120)
-        stopped, stopped_at = _fault_mid_rollout(run, 1, len(_steps(run)) + 1, signal.SIGSTOP)
-        results = launch.wait(sub, timeout_s=240, poll_s=0.2)
-    finally:
-        if stopped is not None:  # its supervisor killed it; never leave a stopped process behind
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(stopped, signal.SIGKILL)
+    run = sub.run_dir
+    killed, _, stopped, stopped_at, results = _kill_then_stop(sub, stopped_engine=1, timeout_s=120, wait_s=240)
     assert [int(code) for code in results] == [0] * len(results), f"ended {results}; see {run}"
     r = RunDir(run)
     steps = _steps(run)
@@ -204,17 +213,9 @@ def test_a_lone_engine_killed_or_stopped_is_replaced_resynced_and_verified_while
                                 f"rollout.hang_timeout_s={HANG_TIMEOUT_S}"))
     assert job.rollout.engines == 1
     sub = launch.submit(job, config_text=EXAMPLE.read_text(), backend="local", run_root=tmp_path)
-    run, stopped = sub.run_dir, None
-    try:
-        killed, killed_at = _fault_mid_rollout(run, 0, 1, signal.SIGKILL)
-        wait_for("engine 0 back in rotation", lambda: events.read_events(RunDir(run), events.ENGINE_READMITTED),
-                 180)
-        stopped, stopped_at = _fault_mid_rollout(run, 0, len(_steps(run)) + 1, signal.SIGSTOP, timeout_s=180)
-        results = launch.wait(sub, timeout_s=300, poll_s=0.2)
-    finally:
-        if stopped is not None:  # its supervisor killed it; never leave a stopped process behind
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(stopped, signal.SIGKILL)
+    run = sub.run_dir
+    killed, killed_at, stopped, stopped_at, results = _kill_then_stop(sub, stopped_engine=0, timeout_s=180,
+                                                                      wait_s=300)
     assert [int(code) for code in results] == [0] * len(results), f"ended {results}; see {run}"
     r = RunDir(run)
     assert [s["step"] for s in _steps(run)] == list(range(1, 7))
