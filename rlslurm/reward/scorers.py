@@ -41,7 +41,15 @@ class Item:
     response: str
     prompt: str = ""
     reference: str = ""
+    """The row's ground truth as text (a non-text ground truth is JSON-encoded by whoever builds the item)."""
     tests: str = ""
+    """A code problem's tests (HumanEval's `test`: defines check(candidate))."""
+    entry_point: str = ""
+    """HumanEval's entry point: the tests end with check(<entry_point>) when it is set."""
+    data_source: str = ""
+    """verl's data_source column: the first argument of a compute_score function."""
+    extra: str = ""
+    """The row's other columns as a JSON object (verl's extra_info; TRL's reward-function keyword arguments)."""
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@
     python -m rlslurm.reward.service --port 8321 --secret-file F --scorer judge --endpoint http://127.0.0.1:9000/v1
 
     GET  /health    {"status": "ok", "pid", "scorer", "inflight", "sandbox_mode"}             (open to all)
-    POST /score     {"items": [{"id", "response", "prompt", "reference", "tests"}, ...]}
+    POST /score     {"items": [{"id", "response", "prompt", "reference", "tests", "entry_point", "data_source",
+                               "extra"}, ...]}
                  -> {"results": [{"id", "score", "status", "reason"}, ...]}   status: scored | unscored | error
     GET  /metrics   Prometheus text format
 
@@ -63,9 +64,13 @@ class ItemIn(BaseModel):
     prompt: str = Field("", max_length=_TEXT)
     reference: str = Field("", max_length=_TEXT)
     tests: str = Field("", max_length=_TEXT)
+    entry_point: str = Field("", max_length=256)
+    data_source: str = Field("", max_length=256)
+    extra: str = Field("", max_length=_TEXT)
 
     def nbytes(self) -> int:
-        return sum(len(v.encode()) for v in (self.id, self.response, self.prompt, self.reference, self.tests))
+        return sum(len(v.encode()) for v in (self.id, self.response, self.prompt, self.reference, self.tests,
+                                              self.entry_point, self.data_source, self.extra))
 
 
 class Batch(BaseModel):
