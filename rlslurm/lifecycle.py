@@ -54,6 +54,10 @@ def needs_requeue(code: int) -> bool:
 
 NOT_UNDER_SLURM = "not under SLURM: not requeued; `rlslurm resume <run dir>` (or its launcher) starts it again"
 """What a drained event says off SLURM, where nothing requeues the job."""
+SLURM_SIGTERM = ("not by this job: SLURM sent SIGTERM (a requeue or preemption brings the job back by itself; "
+                 "a scancel or time limit ends it: then `rlslurm resume <run dir>`)")
+"""What a drained event says after SLURM's SIGTERM: whether SLURM requeues the job is SLURM's to say (its
+state: PENDING after a requeue); no event claims a requeue this job did not make (issue 28, case 2)."""
 
 
 def restart_count(env: Mapping[str, str] | None = None) -> int:
@@ -206,7 +210,7 @@ def finish_drain(run: RunDir, *, step: int, reason: str | None, signal_name: str
     job_id = leader_job_id(env)
     requeued: str | bool = False
     if on_sigterm:
-        requeued = "by SLURM (SIGTERM)"
+        requeued = SLURM_SIGTERM
     elif job_id is None:
         requeued = NOT_UNDER_SLURM
     else:

@@ -28,7 +28,7 @@ NOTABLE = {
     events.RESUME: "resumed from {checkpoint}",
     events.EXPERIENCE_RESTORED: "experience of steps {steps} restored",
     events.DRAIN_REQUESTED: "draining: {reason}",
-    events.DRAINED: "drained at step {step}: {reason}",
+    events.DRAINED: "drained at step {step}: {reason} ({after})",
     events.HANG_DETECTED: "hang detected: {message}",
     events.HANG_ACTION: "hang: {action}",
     events.REQUEUE: "requeued",
@@ -59,8 +59,19 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
+def _after_drain(requeued) -> str:
+    """What comes after a drain, as its event recorded it: requeued by this job, or whose move it is."""
+    if requeued is True:
+        return "requeued: it resumes by itself"
+    if isinstance(requeued, str) and requeued.startswith("not by this job"):
+        return "back only if SLURM requeues it, else `rlslurm resume`"
+    return "not requeued: `rlslurm resume` continues it"
+
+
 def _event_note(event: dict) -> str:
     fields = defaultdict(lambda: "?", {k: v for k, v in event.items() if v is not None})
+    if events.kind_of(event) == events.DRAINED:
+        fields["after"] = _after_drain(event.get("requeued"))
     return NOTABLE[events.kind_of(event)].format_map(fields)
 
 

@@ -32,6 +32,7 @@ from rlslurm import launch
 from rlslurm.checkpoint import PAUSE_ENV, latest_complete, step_dirname
 from rlslurm.cli.main import cli
 from rlslurm.config import load_config
+from rlslurm.lifecycle import SLURM_SIGTERM
 from rlslurm.rundir import RunDir, read_jsonl
 from rlslurm.slurm import commands
 
@@ -260,7 +261,7 @@ def test_drain_mid_rl_requeues_and_resumes_same_step_version_and_trajectory(slur
         # agreed on the drain step drains by its peer's flag and records no request (seen once in CI).
         assert requested and {e["signal"] for e in requested} == {"SIGTERM"}
         assert {e["rank"] for e in requested} <= {0, 1}
-        assert drained["requeued"] == "by SLURM (SIGTERM)" and not su.events(run, "requeue")
+        assert drained["requeued"] == SLURM_SIGTERM and not su.events(run, "requeue")
         # SLURM stops the engines itself; a step that lost its engine is given up or keeps its training.
         assert engines["engines"] == {} and "SIGTERM" in engines["reason"]
         lost = [e["step"] for kind in ("step_abandoned", "sync_skipped") for e in su.events(run, kind)]
@@ -433,7 +434,7 @@ def test_preemption_of_the_three_component_job_resumes_within_one_interval(slurm
     assert urgent_rec["JobState"] == "COMPLETED" and urgent_rec["NodeList"] == node
     # SLURM's SIGTERM to every component at once: the trainer drains at the next boundary.
     (drained,) = su.events(run, "drained")
-    assert (drained["signal"], drained["requeued"]) == ("SIGTERM", "by SLURM (SIGTERM)")
+    assert (drained["signal"], drained["requeued"]) == ("SIGTERM", SLURM_SIGTERM)
     (resume,) = su.events(run, "resume")
     assert resume["restart_count"] == 1
     # Work past the last checkpoint may be lost, never more than one interval.

@@ -6,7 +6,15 @@ import pytest
 
 from rlslurm.errors import SlurmCommandError
 from rlslurm.events import read_events
-from rlslurm.lifecycle import ExitCode, finish_drain, leader_job_id, needs_requeue, on_start, restart_count
+from rlslurm.lifecycle import (
+    SLURM_SIGTERM,
+    ExitCode,
+    finish_drain,
+    leader_job_id,
+    needs_requeue,
+    on_start,
+    restart_count,
+)
 from rlslurm.rundir import RunDir, read_jsonl
 
 
@@ -85,7 +93,7 @@ def test_off_slurm_the_drain_saves_but_requeues_nothing(run):
 def test_sigterm_saves_when_kill_wait_allows_and_never_requeues_twice(run):
     code, calls = _drain(run, signal_name="SIGTERM", time_left_s=25.0)
     assert code == ExitCode.DRAINED and calls == {"save": 1, "requeue": []}
-    assert read_events(run, "drained")[0]["requeued"] == "by SLURM (SIGTERM)"
+    assert read_events(run, "drained")[0]["requeued"] == SLURM_SIGTERM
 
 
 def test_sigterm_without_time_for_a_save_relies_on_the_periodic_one(run):

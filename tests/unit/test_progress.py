@@ -169,3 +169,21 @@ def test_a_local_job_has_ended_when_no_process_that_beat_since_its_submission_is
     assert job_ended(run, "7", "local", now=5000.0, since=1000.0) == "exited"
     (run.heartbeats / "train-0.json").write_text(json.dumps({**me, "written": 999.0}))  # an older job's
     assert job_ended(run, "7", "local", now=5000.0, since=1000.0) == "never started"
+
+
+@pytest.mark.parametrize("requeued, says", [
+    (True, "requeued: it resumes by itself"),
+    ("SIGTERM", "back only if SLURM requeues it, else `rlslurm resume`"),
+    ("not under SLURM", "not requeued: `rlslurm resume` continues it"),
+])
+def test_a_drained_run_says_who_brings_it_back(tmp_path, requeued, says):
+    """A drain's line never reads as a requeue this job did not make (issue 28, case 2)."""
+    from rlslurm import events
+    from rlslurm.lifecycle import NOT_UNDER_SLURM, SLURM_SIGTERM
+
+    value = {"SIGTERM": SLURM_SIGTERM, "not under SLURM": NOT_UNDER_SLURM}.get(requeued, requeued)
+    run = _run(tmp_path)
+    events.emit(run, events.DRAINED, step=5, reason="drain requested", signal="SIGTERM", job_id="12",
+                checkpoint="step-00000005", requeued=value)
+    line = Progress(run).poll()
+    assert line.endswith(f"drained at step 5: drain requested ({says})")
