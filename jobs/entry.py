@@ -135,6 +135,11 @@ def run_component(run_dir: str) -> int:
     """What `rlslurm submit` pickles: the train role of component 0 (and the launcher of the others)."""
     run = RunDir(Path(run_dir))
     _keep_early_drain_signal(run)
+    from rlslurm import lifetime
+
+    # Off SLURM the local controller named itself (RLSLURM_PARENT_PID): this rank ends with it. On SLURM
+    # nothing is named, and slurmstepd's own tracking ends the step's processes.
+    lifetime.bind_to_parent()
     os.environ[ENV_VAR] = str(run.path)
     os.environ["RLSLURM_ROLE"] = "train"
     from rlslurm.dist import Topology

@@ -22,7 +22,9 @@ Engines spawned by rank 0 (the local backend's separate placement) are its child
 the new rank 0 starts them again, as colocated engines do on SLURM. A SIGKILLed rank cannot stop them
 itself, so this controller is a child subreaper (what SLURM's proctrack is for a job step): whatever a rank
 leaves running becomes this process's child, and is ended once the ranks have ended (measured before it:
-a SIGKILLed rank 0's engine server ran on, reparented to init, after the run was done).
+a SIGKILLed rank 0's engine server ran on, reparented to init, after the run was done). The ranks in
+turn end with this controller (lifetime.bind_to_parent: SIGTERM, so they drain as for SLURM's): a SIGKILLed
+controller leaves no rank waiting on a peer or writing heartbeats that make `rlslurm resume` refuse the run.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from typing import Sequence
 
 from submitit.local.local import LOCAL_REQUEUE_RETURN_CODE, Controller, LocalExecutor, LocalJob, LocalJobEnvironment
 
-from rlslurm import events
+from rlslurm import events, lifetime
 from rlslurm.rundir import ENV_VAR, RunDir
 from rlslurm.slurm.parse import TaskEnd
 from rlslurm.slurm.supervisor import RESTART_ENV, decide
@@ -187,6 +189,9 @@ class RestartingController(Controller):
         if not become_subreaper():
             log.warning("not a child subreaper: what a killed rank leaves running outlives it")
         max_restarts = load_config(run.config).train.max_restarts
+        # The ranks end with this controller (rlslurm/lifetime.py): a SIGKILLed controller cannot end them,
+        # and nothing else would (no SLURM step around them); start_tasks hands them this environment.
+        os.environ.update(lifetime.child_env())
         restarts = requeues = 0
         while True:
             os.environ[RESTART_ENV] = str(restarts)  # start_tasks gives each rank this environment

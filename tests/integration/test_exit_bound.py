@@ -19,6 +19,7 @@ import psutil
 from click.testing import CliRunner
 
 from exit_hold import plant_exit_hold
+from procs import run_processes
 from rlslurm import events, launch
 from rlslurm.cli.main import cli
 from rlslurm.config import load_config
@@ -27,18 +28,6 @@ from rlslurm.rundir import RunDir
 ROOT = Path(__file__).resolve().parents[2]
 GRACE_S = 4.0
 
-
-
-def run_processes(run_dir: Path) -> list[psutil.Process]:
-    out = []
-    for p in psutil.process_iter(["cmdline", "environ"]):
-        try:
-            if str(run_dir) in " ".join(p.info["cmdline"] or []) or \
-                    (p.info["environ"] or {}).get("RLSLURM_RUN_DIR") == str(run_dir):
-                out.append(p)
-        except psutil.Error:
-            pass
-    return out
 
 
 def test_a_rank_past_the_grace_after_rank_0_finished_is_ended_and_named(tmp_path, monkeypatch):

@@ -116,3 +116,35 @@ def test_the_rl_job_restarts_its_ranks_and_ends_the_engine_the_killed_rank_0_lef
     assert sorted(set(steps())) == list(range(1, 9))
     assert [e["version"] for e in events.read_events(RunDir(run), events.SYNC_VERIFIED)
             if e["t"] > resume["t"]][:1] == [3]
+
+
+def test_a_sigkilled_local_controller_takes_the_whole_run_along_and_the_run_resumes_at_once(tmp_path):
+    """The local controller (what slurmstepd is on SLURM) SIGKILLed mid-run: its ranks end with it (the
+    parent-death signal, SIGTERM: they drain), rank 0's engine and reward service with them; no process of
+    the run is left on the machine, and `rlslurm resume` takes the run at once and finishes it (issue 28)."""
+    from procs import run_processes
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "tiny-grpo.yaml"
+    job = load_config(example, ("train.steps=40", "train.step_delay_s=0.3", "rl.prompts_per_step=32",
+                                "rl.eval_every=100", "task.eval_size=16", "checkpoint.interval_steps=3"))
+    sub = launch.submit(job, config_text=example.read_text(), backend="local", run_root=tmp_path)
+    run = Path(sub.run_dir)
+    steps = lambda: [r["step"] for r in read_jsonl(run / "metrics.jsonl") if "policy_version" in r]  # noqa: E731
+    wait_for("step 4", lambda: max(steps(), default=0) >= 4, 240, poll_s=0.1)
+    before = {p.pid: " ".join(p.cmdline()[:4]) for p in run_processes(run)}
+    roles = {r["role"] for r in read_jsonl(run / "placement.jsonl")}
+    assert {"train", "rollout"} <= roles and len(before) >= 4, before  # controller, 2 ranks, engine (+ reward, agent)
+    os.kill(int(sub.job_id), signal.SIGKILL)
+    killed_at = time.monotonic()
+    assert not events.read_events(RunDir(run), events.DONE)  # killed mid-run, not after the end
+    wait_for("no process of the run left", lambda: not run_processes(run), 90, poll_s=0.2)
+    gone_s = time.monotonic() - killed_at
+    # Gone because they were ended, not because they finished: the run stopped short of its last step.
+    assert not events.read_events(RunDir(run), events.DONE) and max(steps()) < 40, max(steps())
+    assert launch.signs_of_life(RunDir(run), job, time.time()) is None
+    again = launch.resume(str(run))
+    launch.check_results(again, launch.wait(again, timeout_s=300, poll_s=0.5))
+    assert sorted(set(steps())) == list(range(1, 41))
+    assert not run_processes(run)
+    print(f"\nMEASURE local controller SIGKILL at step >= 4: {len(before)} processes of the run, all gone "
+          f"{gone_s:.1f} s later; resumed and finished")
