@@ -285,11 +285,22 @@ class Controller:
             except SyncStageError as e:
                 cause = self.engines.culprit(e)
                 urls = [self.engines.clients[i].url for i in members]
-                if cause is None or cause.url not in urls or len(members) == 1:
+                if cause is None or cause.url not in urls:
                     raise
                 i = members.pop(urls.index(cause.url))
                 self.engines.take_out(i, cause, resent=0)
                 self.transport.close()
+                if not members:
+                    # The last engine lost in the sync (the lone engine, the default): its supervisor's
+                    # replacement is awaited (bounded: rollout.request_timeout_s) and the sync made again with
+                    # it; none back, or past its restart budget (check_down), the job fails as before.
+                    log.warning("the last engine failed the sync to version %d: waiting for its replacement",
+                                version)
+                    self.engines.check_down()
+                    members = self.engines.returning()
+                    if not members:
+                        raise
+                    back = sorted(set(back) | set(members))
         self.engines.version = version
         self.engines.readmit([i for i in back if i in members], version, step)
         return report.metrics()

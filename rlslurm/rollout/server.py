@@ -62,6 +62,23 @@ log = logging.getLogger("rlslurm.rollout.server")
 DATA_PATHS = ("/v1/completions", "/v1/models")
 ADMIN_BODY_BYTES = 64 << 20  # a manifest of schema.MAX_TENSORS tensors fits
 POLL_S = 0.1  # how often a waiting request looks for its caller's disconnect
+DIE_IN_SYNC_ENV = "RLSLURM_TEST_ENGINE_DIE_IN_SYNC"
+"""Tests only: `<version>:<marker file>`: the first engine asked to drain for a sync while it serves `version` or
+later SIGKILLs itself there (once: it creates the marker first, so its replacement syncs): an engine lost in the
+middle of a weight sync, which no outside timing can hit reliably (a tiny model's sync takes milliseconds)."""
+
+
+def _die_in_sync_if_asked(version: int | None) -> None:
+    fault = os.environ.get(DIE_IN_SYNC_ENV)
+    if not fault or version is None:
+        return
+    at, _, marker = fault.partition(":")
+    if version >= int(at):
+        try:
+            open(marker, "x").close()
+        except FileExistsError:
+            return
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _prompts(prompt) -> list:
@@ -227,6 +244,7 @@ def build_app(server: EngineServer, token: str, *, open_data: bool = False,
 
     @app.post("/admin/drain")
     def drain(body: schema.Drain):
+        _die_in_sync_if_asked(engine.version)
         started = time.monotonic()
         if not gate.drain(body.timeout_s):
             return _error(504, f"{gate.in_flight} requests still in flight after {body.timeout_s} s; "

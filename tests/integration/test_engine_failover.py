@@ -236,3 +236,32 @@ def test_a_lone_engine_killed_or_stopped_is_replaced_resynced_and_verified_while
     print(f"\nMEASURE lone engine: SIGKILL -> readmitted {readmitted[0]['t'] - killed_at:.1f} s; SIGSTOP -> named "
           f"{hung['t'] - stopped_at:.1f} s (hang timeout {HANG_TIMEOUT_S:g} s) -> readmitted "
           f"{readmitted[1]['t'] - stopped_at:.1f} s")
+
+
+def test_a_lone_engine_lost_in_the_middle_of_a_weight_sync_is_replaced_and_the_sync_made_again(tmp_path, monkeypatch):
+    """Issue 28, case 1 at its hardest moment: the lone engine SIGKILLs itself in the DRAIN of the sync to version 3
+    (a test hook: a tiny model's sync takes milliseconds). The controller takes it out, waits for its supervisor's
+    replacement, makes the sync again over it, VERIFIES and readmits it; every step runs once, COMPLETED."""
+    from procs import run_processes
+    from rlslurm.rollout.server import DIE_IN_SYNC_ENV
+
+    marker = tmp_path / "died-in-sync"
+    monkeypatch.setenv(DIE_IN_SYNC_ENV, f"2:{marker}")
+    job = load_config(EXAMPLE, ("train.steps=5", "rl.prompts_per_step=16", "rl.eval_every=100", "task.eval_size=16",
+                                "checkpoint.interval_steps=1000"))
+    assert job.rollout.engines == 1
+    sub = launch.submit(job, config_text=EXAMPLE.read_text(), backend="local", run_root=tmp_path)
+    results = launch.wait(sub, timeout_s=300, poll_s=0.2)
+    run = sub.run_dir
+    assert [int(code) for code in results] == [0] * len(results), f"ended {results}; see {run}"
+    assert marker.exists()  # the engine did die in the sync
+    r = RunDir(run)
+    assert [s["step"] for s in _steps(run)] == list(range(1, 6))
+    assert not events.read_events(r, events.ENGINE_FAILED)
+    (died,) = events.read_events(r, events.ENGINE_DIED)
+    (restarted,) = events.read_events(r, events.ENGINE_RESTARTED)
+    (back,) = events.read_events(r, events.ENGINE_READMITTED)
+    verified = [e for e in events.read_events(r, events.SYNC_VERIFIED) if e["version"] == back["version"]]
+    assert back["version"] == 3 and restarted["t"] < verified[-1]["t"] <= back["t"], (back, restarted, verified)
+    wait_for("no process of the run left", lambda: not run_processes(Path(run)), 30)
+    print(f"\nMEASURE lone engine lost in the sync to version 3: died -> readmitted {back['t'] - died['t']:.1f} s")
