@@ -13,6 +13,7 @@ requeued het job needs on an idle test cluster; see rlslurm/slurm/localcluster.p
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -71,3 +72,35 @@ def slurm_cluster():
             os.environ["SLURM_CONF"] = old
         cluster.down()
         shutil.rmtree(cluster.dir, ignore_errors=True)
+
+
+OUTLIVE_GRACE_S = 45.0
+"""How long a process of an ended job may take to go after the test (SLURM's KillWait is 30 s here)."""
+
+
+@pytest.fixture(autouse=True)
+def _nothing_outlives_its_job():
+    """After every cluster test: no process of a job the test submitted and that has ended in SLURM is left on
+    the machine (a killed parent's children included: `spine_util.leftovers`). Jobs still live (a module's
+    shared job) are the module's cleanup's. A leftover fails the test, named, and is ended."""
+    import psutil
+
+    import spine_util as su
+    from waiting import wait_for
+
+    first = len(su.TRACKED)
+    yield
+    ended = [run for job_id, run in su.TRACKED[first:]
+             if su.state(job_id) not in ("PENDING", "RUNNING", "REQUEUED", "COMPLETING", "CONFIGURING")]
+    left: list[str] = []
+    try:
+        wait_for("no process of an ended job", lambda: not any(su.leftovers(run) for run in ended), OUTLIVE_GRACE_S,
+                 poll_s=0.5)
+    except AssertionError:  # the wait's own message names no process; the listing below does
+        left = [line for run in ended for line in su.leftovers(run)]
+        for p in psutil.process_iter(["cmdline"]):
+            if p.info["cmdline"] and any(str(run) in a for a in p.info["cmdline"] for run in ended):
+                with contextlib.suppress(psutil.Error):
+                    p.kill()
+    if left:
+        pytest.fail(f"{len(left)} processes outlived their ended job by {OUTLIVE_GRACE_S:g} s:\n" + "\n".join(left))

@@ -18,6 +18,7 @@ from exit_hold import plant_exit_hold
 from rlslurm import launch
 from rlslurm.checkpoint import step_dirname
 from rlslurm.config import load_config
+from rlslurm.lifecycle import SLURM_SIGTERM
 from rlslurm.rundir import RunDir, read_jsonl
 from rlslurm.slurm import commands
 
@@ -78,7 +79,7 @@ def test_sft_requeued_by_slurm_resumes_and_ends_like_the_run_off_slurm(slurm_clu
                 on_poll=slurm_cluster.kick, poll_s=0.25)
 
     (drained,) = su.events(sub.run_dir, "drained")
-    assert drained["signal"] == "SIGTERM" and drained["requeued"] == "by SLURM (SIGTERM)"
+    assert drained["signal"] == "SIGTERM" and drained["requeued"] == SLURM_SIGTERM
     assert 15 <= drained["step"] < STEPS and drained["checkpoint"] == step_dirname(drained["step"])
     (resume,) = su.events(sub.run_dir, "resume")
     got = (resume["step"], resume["checkpoint"], resume["restart_count"])

@@ -26,6 +26,7 @@ import spine_util as su
 from rlslurm import launch
 from rlslurm.checkpoint import latest_complete, step_dirname
 from rlslurm.cli.main import cli
+from rlslurm.lifecycle import SLURM_SIGTERM
 from rlslurm.rundir import RunDir, find_run, read_jsonl
 from rlslurm.slurm import commands, parse
 from rlslurm.status import follow
@@ -173,7 +174,7 @@ def test_scontrol_requeue_resumes_from_last_checkpoint(slurm_cluster, reference,
     commands.requeue(sub.job_id)
     _requeued_and_finished(slurm_cluster, reference, sub, requeued_at, step_at_requeue, "scontrol requeue")
     (drained,) = su.events(sub.run_dir, "drained")
-    assert drained["signal"] == "SIGTERM" and drained["requeued"] == "by SLURM (SIGTERM)"
+    assert drained["signal"] == "SIGTERM" and drained["requeued"] == SLURM_SIGTERM
 
 
 def test_preemption_by_urgent_partition_resumes_from_last_checkpoint(slurm_cluster, reference, tmp_path):
