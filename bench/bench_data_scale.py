@@ -86,6 +86,7 @@ def measure(rows: int, ranks: int, work: Path) -> dict:
             "--set", f"data.train={data}", "--set", f"data.eval={held}", "--set", "data.eval_fraction=null",
             "--set", "train.steps=3", "--set", "train.warmup_steps=1", "--set", f"hardware.gpus_per_node={ranks}",
             "--set", "job.name=data-scale"]
+    before = set((work / "runs").glob("data-scale-*"))
     started = time.time()
     proc = subprocess.Popen(argv + ["--wait"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
@@ -94,7 +95,7 @@ def measure(rows: int, ranks: int, work: Path) -> dict:
     run = None
     while proc.poll() is None:
         if run is None:
-            found = sorted((work / "runs").glob("data-scale-*"))
+            found = sorted(set((work / "runs").glob("data-scale-*")) - before)
             run = found[-1] if found else None
         for pid in _rank_pids(run) if run else []:
             try:
