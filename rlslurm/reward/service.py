@@ -4,8 +4,8 @@
     python -m rlslurm.reward.service --port 8321 --secret-file F --scorer judge --endpoint http://127.0.0.1:9000/v1
 
     GET  /health    {"status": "ok", "pid", "scorer", "inflight", "sandbox_mode"}             (open to all)
-    POST /score     {"items": [{"id", "response", "prompt", "reference", "tests", "entry_point", "data_source",
-                               "extra"}, ...]}
+    POST /score     {"items": [{"id", "response", "prompt", "reference", "reference_is_json", "tests",
+                               "entry_point", "data_source", "extra"}, ...]}
                  -> {"results": [{"id", "score", "status", "reason"}, ...]}   status: scored | unscored | error
     GET  /metrics   Prometheus text format
 
@@ -63,6 +63,7 @@ class ItemIn(BaseModel):
     response: str = Field(max_length=_TEXT)
     prompt: str = Field("", max_length=_TEXT)
     reference: str = Field("", max_length=_TEXT)
+    reference_is_json: bool = False
     tests: str = Field("", max_length=_TEXT)
     entry_point: str = Field("", max_length=256)
     data_source: str = Field("", max_length=256)
@@ -179,6 +180,9 @@ def make_app(cfg: RewardConfig, token: str, guard: PhaseGuard | None = None) -> 
             sandbox = getattr(state["scorer"], "sandbox", None)
             if sandbox is not None:
                 sandbox.close()
+            close = getattr(state["scorer"], "close", None)
+            if close is not None:  # worker processes (rule's math-verify, a reward function)
+                await close()
 
     app = FastAPI(title="rlslurm reward service", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
@@ -265,7 +269,8 @@ def load_diag_config(path: str | Path | None) -> DiagConfig:
               help=f"The job's secret (<run>/secret); default: the file ${secret.ENV_VAR} names.")
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
               help="Job YAML; its reward: section.")
-@click.option("--scorer", type=click.Choice(["rule", "code", "model", "judge"]), help="Overrides reward.scorer.")
+@click.option("--scorer", type=click.Choice(["rule", "code", "function", "model", "judge"]),
+              help="Overrides reward.scorer.")
 @click.option("--endpoint", help="Overrides reward.endpoint.")
 @click.option("--concurrency", type=int, help="Overrides reward.concurrency.")
 @click.option("--run-dir", type=click.Path(file_okay=False), help="Run directory: heartbeats as role reward.")

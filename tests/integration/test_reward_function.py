@@ -1,0 +1,157 @@
+"""`reward.scorer: function` through the real reward service process: a verl-style compute_score file whose
+data_source picks the behaviour (as verl's default_compute_score dispatches), including functions that raise,
+hang, exit, kill their process or return no number; the service stays healthy and degrades only that item."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+
+from rlslurm.reward.config import RewardConfig
+from rlslurm.reward.scorers import Item
+from rlslurm.reward.supervisor import RewardSupervisor
+from rlslurm.secret import bearer
+
+REWARDS = '''
+import math, os, sys, time
+
+from helper import same      # a module beside the file imports, as under verl
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    if data_source == "raise":
+        raise ValueError("no reference for " + solution_str)
+    if data_source == "hang":
+        open(extra_info["pidfile"], "w").write(str(os.getpid()))
+        time.sleep(3600)
+    if data_source == "string":
+        return "high"
+    if data_source == "nan":
+        return math.nan
+    if data_source == "dict":
+        return {"score": 0.5, "acc": True}
+    if data_source == "exit":
+        sys.exit(3)
+    if data_source == "die":
+        os._exit(1)
+    if data_source == "extra":
+        return extra_info["bonus"]
+    if data_source == "noisy":
+        print("a user's debug print")
+        return 2.5
+    # gsm8k-like: a list ground truth arrives as a list, a text one as text
+    answers = ground_truth if isinstance(ground_truth, list) else [ground_truth]
+    return same(solution_str, answers)
+'''
+
+
+def item(i: int, source: str, response: str = "19", reference: str = "19", json_ref: bool = False,
+         extra: dict | None = None) -> Item:
+    return Item(id=str(i), response=response, reference=reference, reference_is_json=json_ref, data_source=source,
+                extra=json.dumps(extra or {}))
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("function")
+    (folder / "rewards.py").write_text(REWARDS)
+    (folder / "helper.py").write_text("def same(text, answers):\n    return float(text.strip() in answers)\n")
+    cfg = RewardConfig(scorer="function", function=f"{folder}/rewards.py", concurrency=2, timeout_s=2.0,
+                       health_interval_s=0.2, health_timeout_s=1.0, start_timeout_s=60)
+    with RewardSupervisor(cfg, log_dir=folder) as sup:
+        with httpx.Client(headers=bearer(sup.token), timeout=30) as http:
+            yield sup, http
+
+
+def score(service, items: list[Item]) -> list[dict]:
+    sup, http = service
+    reply = http.post(sup.url + "/score", json={"items": [i.__dict__ for i in items]})
+    reply.raise_for_status()
+    return reply.json()["results"]
+
+
+def test_verl_signature_scores_and_degrades_bad_returns(service):
+    results = score(service, [
+        item(0, "gsm8k"), item(1, "gsm8k", response="18"),
+        item(2, "gsm8k", response="19", reference=json.dumps(["19", "nineteen"]), json_ref=True),
+        item(3, "gsm8k", response="[\"19\"]", reference="[\"19\"]"),   # text that looks like JSON stays text
+        item(4, "dict"), item(5, "extra", extra={"extra_info": {"bonus": -1.5}}), item(6, "noisy"),
+        item(7, "raise"), item(8, "string"), item(9, "nan"), item(10, "exit"),
+    ])
+    got = {r["id"]: r for r in results}
+    assert [got[str(i)]["score"] for i in range(7)] == [1.0, 0.0, 1.0, 1.0, 0.5, -1.5, 2.5]
+    assert "acc=True" in got["4"]["reason"]
+    for i, words in ((7, "raised ValueError: no reference for 19"), (8, "returned str 'high', not a number"),
+                     (9, "returned nan"), (10, "raised SystemExit: 3")):
+        assert got[str(i)]["status"] == "unscored" and got[str(i)]["score"] is None, got[str(i)]
+        assert words in got[str(i)]["reason"], got[str(i)]
+
+
+def test_a_hanging_function_times_out_alone_and_its_worker_is_replaced(service, tmp_path):
+    sup, http = service
+    out: list = []
+    pidfile = tmp_path / "hung.pid"
+    hung_item = item(0, "hang", extra={"pidfile": str(pidfile)})
+    hang = threading.Thread(target=lambda: out.extend(score(service, [hung_item])))
+    started = time.monotonic()
+    hang.start()
+    time.sleep(0.5)
+    during = http.get(sup.url + "/health", timeout=1.0)  # the loop is free while the function hangs
+    assert during.status_code == 200 and during.json()["inflight"] == 1
+    assert score(service, [item(1, "gsm8k")])[0]["score"] == 1.0  # the other worker scores meanwhile
+    hang.join(30)
+    assert out[0]["status"] == "error" and "reward.timeout_s = 2" in out[0]["reason"], out
+    assert time.monotonic() - started < 10
+    # The hung worker is gone (killed with its group), and the next items score on a fresh one.
+    hung = int(pidfile.read_text())
+    deadline = time.monotonic() + 5
+    while psutil.pid_exists(hung) and psutil.Process(hung).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, f"hung worker {hung} still runs"
+        time.sleep(0.1)
+    assert [r["score"] for r in score(service, [item(2, "gsm8k"), item(3, "gsm8k")])] == [1.0, 1.0]
+
+
+def test_a_function_that_kills_its_worker_degrades_that_item_only(service):
+    results = score(service, [item(0, "die"), item(1, "gsm8k")])
+    assert results[0]["status"] == "unscored" and "died while scoring" in results[0]["reason"], results
+    assert results[1]["score"] == 1.0
+    assert score(service, [item(2, "gsm8k")])[0]["score"] == 1.0
+
+
+def test_workers_die_with_the_service(tmp_path):
+    (tmp_path / "rewards.py").write_text("def compute_score(d, s, g, extra_info=None):\n    return 1\n")
+    cfg = RewardConfig(scorer="function", function=f"{tmp_path}/rewards.py", concurrency=2, max_restarts=0,
+                       health_interval_s=5.0)
+    with RewardSupervisor(cfg, log_dir=tmp_path) as sup:
+        with httpx.Client(headers=bearer(sup.token), timeout=30) as http:
+            reply = http.post(sup.url + "/score", json={"items": [item(i, "x").__dict__ for i in range(4)]})
+            assert [r["score"] for r in reply.json()["results"]] == [1.0] * 4
+        workers = [p for p in psutil.Process(sup.proc.pid).children(recursive=True)
+                   if "rlslurm.reward.workers" in " ".join(p.cmdline())]
+        assert workers
+        os.kill(sup.proc.pid, signal.SIGKILL)
+        gone, alive = psutil.wait_procs(workers, timeout=10)
+        assert not alive, [p.pid for p in alive]
+
+
+def test_rule_scorer_sends_latex_to_math_verify_workers(tmp_path):
+    """The rule scorer's other worker pool: plain numbers are decided in the service, LaTeX by math-verify in a
+    worker (its signal timeouts on that worker's main thread), GSM8K's `#### n` reference cut to n."""
+    cfg = RewardConfig(scorer="rule", concurrency=2, timeout_s=30.0)
+    with RewardSupervisor(cfg, log_dir=tmp_path) as sup:
+        with httpx.Client(headers=bearer(sup.token), timeout=60) as http:
+            batch = [Item(id="0", response="19", reference="19"),
+                     Item(id="1", response="so \\boxed{\\frac{1}{2}}", reference="0.5"),
+                     Item(id="2", response="the answer is $\\pi/2$", reference="\\frac{\\pi}{2}"),
+                     Item(id="3", response="she has 72 clips", reference="48/2 = 24\n#### 72"),
+                     Item(id="4", response="\\boxed{3}", reference="\\sqrt{2}")]
+            results = http.post(sup.url + "/score", json={"items": [i.__dict__ for i in batch]}).json()["results"]
+    assert [r["score"] for r in results] == [1.0, 1.0, 1.0, 1.0, 0.0], results
+    assert results[1]["reason"].startswith("math-verify")
