@@ -24,6 +24,7 @@ A scorer raises ScorerUnavailable when its upstream (RM, judge) fails: the item 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 import secrets
@@ -37,6 +38,8 @@ import httpx
 from rlslurm.reward.config import RewardConfig
 from rlslurm.reward.sandbox import Sandbox
 from rlslurm.reward.workers import WorkerFailed, WorkerPool
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -341,6 +344,45 @@ class JudgeScorer:
             self.parse_failures += 1
             return Scored(None, f"judge parse failure: no SCORE in [0, {self.max_score:g}] in {text[:120]!r}")
         return Scored(value, "judge")
+
+
+MAX_REASON_CHARS = 300
+"""A verdict's `reason` is cut to this: it must not echo a response of any size back."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One item's outcome as the service answers it: scored (a number), unscored (the scorer decided it cannot
+    score: a function that raised, a judge reply without a mark) or error (timeout, upstream down: retryable)."""
+
+    score: float | None
+    status: str
+    reason: str
+
+
+async def score_bounded(scorer: Scorer, item: Item, timeout_s: float) -> Verdict:
+    """`scorer` on `item` within `timeout_s` whatever the scorer (a hung judge, a user's function: its worker
+    is killed on the cancel), never raising: the reward service's rules, for the service and the inline path."""
+    try:
+        scored = await asyncio.wait_for(scorer.score(item), timeout_s)
+    except asyncio.TimeoutError:
+        return Verdict(None, "error", f"scoring ran past reward.timeout_s = {timeout_s:g} s")
+    except ScorerUnavailable as e:
+        return Verdict(None, "error", str(e)[:MAX_REASON_CHARS])
+    except Exception as e:  # one bad item must not take the batch (or the service) down
+        log.exception("scoring item %s failed", item.id)
+        return Verdict(None, "error", f"scorer crashed: {e!r}"[:MAX_REASON_CHARS])
+    return Verdict(scored.score, "scored" if scored.score is not None else "unscored", scored.reason[:MAX_REASON_CHARS])
+
+
+async def close_scorer(scorer: Scorer) -> None:
+    """Stop what a scorer started: the code scorer's sandbox, the rule and function scorers' worker processes."""
+    sandbox = getattr(scorer, "sandbox", None)
+    if sandbox is not None:
+        sandbox.close()
+    close = getattr(scorer, "close", None)
+    if close is not None:
+        await close()
 
 
 def make_scorer(cfg: RewardConfig, http: ShardedHttp | None = None, sandbox: Sandbox | None = None) -> Scorer:

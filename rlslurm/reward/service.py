@@ -13,7 +13,7 @@ Trust (rlslurm/wire.py): /score and /metrics need `Authorization: Bearer <the jo
 without); `reward.open_data_plane` opens /score. A body is strict and bounded: at most
 `reward.max_items_per_request` items (400 past it), an item over `reward.max_item_bytes` comes back
 unscored without reaching its scorer; each item is scored within `reward.timeout_s` (then `error`);
-a `reason` is cut to MAX_REASON_CHARS.
+a `reason` is cut to scorers.MAX_REASON_CHARS.
 
 Items of one batch, and of all batches in flight, are scored at once up to `reward.concurrency`
 (an asyncio semaphore): a 2 s judge scores 512 responses at concurrency 64 in ~16 s, not 1024 s.
@@ -47,13 +47,11 @@ from rlslurm.configfile import load_mapping, read_yaml
 from rlslurm.diag.config import DiagConfig
 from rlslurm.diag.guard import PhaseGuard
 from rlslurm.reward.config import RewardConfig
-from rlslurm.reward.scorers import CodeScorer, Item, JudgeScorer, ScorerUnavailable, ShardedHttp, make_scorer
+from rlslurm.reward.scorers import CodeScorer, Item, JudgeScorer, ShardedHttp, close_scorer, make_scorer, score_bounded
 
 log = logging.getLogger(__name__)
 
 
-MAX_REASON_CHARS = 300
-"""A result's `reason` is cut to this: it must not echo a response of any size back."""
 _TEXT = 1 << 24  # structural cap per field; reward.max_item_bytes is the real limit
 
 
@@ -177,12 +175,7 @@ def make_app(cfg: RewardConfig, token: str, guard: PhaseGuard | None = None) -> 
             if ticker is not None:
                 ticker.cancel()
             await http.aclose()
-            sandbox = getattr(state["scorer"], "sandbox", None)
-            if sandbox is not None:
-                sandbox.close()
-            close = getattr(state["scorer"], "close", None)
-            if close is not None:  # worker processes (rule's math-verify, a reward function)
-                await close()
+            await close_scorer(state["scorer"])  # its sandbox, its worker processes
 
     app = FastAPI(title="rlslurm reward service", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
@@ -201,19 +194,8 @@ def make_app(cfg: RewardConfig, token: str, guard: PhaseGuard | None = None) -> 
             start = time.monotonic()
             try:
                 # Bounded in time whatever the scorer: a judge that hangs, a rule on a pathological answer.
-                scored = await asyncio.wait_for(state["scorer"].score(Item(**item.model_dump())), cfg.timeout_s)
-                status = "scored" if scored.score is not None else "unscored"
-                out = {"id": item.id, "score": scored.score, "status": status,
-                       "reason": scored.reason[:MAX_REASON_CHARS]}
-            except asyncio.TimeoutError:
-                out = {"id": item.id, "score": None, "status": "error",
-                       "reason": f"scoring ran past reward.timeout_s = {cfg.timeout_s:g} s"}
-            except ScorerUnavailable as e:
-                out = {"id": item.id, "score": None, "status": "error", "reason": str(e)[:MAX_REASON_CHARS]}
-            except Exception as e:  # one bad item must not take the batch (or the service) down
-                log.exception("scoring item %s failed", item.id)
-                out = {"id": item.id, "score": None, "status": "error",
-                       "reason": f"scorer crashed: {e!r}"[:MAX_REASON_CHARS]}
+                verdict = await score_bounded(state["scorer"], Item(**item.model_dump()), cfg.timeout_s)
+                out = {"id": item.id, "score": verdict.score, "status": verdict.status, "reason": verdict.reason}
             finally:
                 counters.inflight -= 1
                 counters.seconds_sum += time.monotonic() - start

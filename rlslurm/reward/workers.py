@@ -66,6 +66,7 @@ class WorkerPool:
         self.args, self.size, self.what = list(args), size, what
         self._idle: asyncio.Queue | None = None
         self._all: set[_Worker] = set()
+        self._reaping: set[asyncio.Future] = set()
         self.replaced = 0
         """Workers killed (timeout, cancel) or found dead and replaced: for /metrics and tests."""
 
@@ -99,6 +100,9 @@ class WorkerPool:
         worker.kill()
         self._all.discard(worker)
         self.replaced += 1
+        # Reaped on the loop, so its pipes' transports close before the loop does (no zombie, no warning).
+        self._reaping = {f for f in self._reaping if not f.done()}
+        self._reaping.add(asyncio.ensure_future(worker.proc.wait()))
 
     async def call(self, request: dict[str, Any]) -> dict[str, Any]:
         """`request` answered by one worker. Cancelled (the caller's timeout) -> that worker is killed."""
@@ -125,8 +129,11 @@ class WorkerPool:
         return reply
 
     async def close(self) -> None:
+        """Kill every worker and wait (bounded) until they are reaped."""
         for worker in list(self._all):
             self._drop(worker)
+        if self._reaping:
+            await asyncio.wait(self._reaping, timeout=5.0)
 
 
 # ---------------------------------------------------------------- the worker's side

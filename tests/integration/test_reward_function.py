@@ -155,3 +155,38 @@ def test_rule_scorer_sends_latex_to_math_verify_workers(tmp_path):
             results = http.post(sup.url + "/score", json={"items": [i.__dict__ for i in batch]}).json()["results"]
     assert [r["score"] for r in results] == [1.0, 1.0, 1.0, 1.0, 0.0], results
     assert results[1]["reason"].startswith("math-verify")
+
+
+def test_inline_scoring_from_a_thread_of_its_own_is_bounded_too(tmp_path):
+    """reward.service: inline runs make_scorer's scorer on the controller's own event loop, possibly in a thread:
+    score_bounded gives it the service's rules (a hang is an error, its worker killed) and close_scorer ends
+    the workers."""
+    import asyncio
+
+    from rlslurm.reward.scorers import close_scorer, make_scorer, score_bounded
+
+    (tmp_path / "rewards.py").write_text("import time\n\ndef compute_score(d, s, g, extra_info=None):\n"
+                                         "    if d == 'hang':\n        time.sleep(3600)\n    return len(s)\n")
+    scorer = make_scorer(RewardConfig(scorer="function", function=f"{tmp_path}/rewards.py", concurrency=1))
+    out: list = []
+
+    def controller() -> None:
+        loop = asyncio.new_event_loop()
+        try:
+            out.append(loop.run_until_complete(score_bounded(scorer, item(0, "hang"), 1.0)))
+            out.append(loop.run_until_complete(score_bounded(scorer, item(1, "x", response="abc"), 10.0)))
+            out.append([p.pid for p in psutil.Process().children()  # not the module service's workers
+                        if "rlslurm.reward.workers" in " ".join(p.cmdline())])
+            loop.run_until_complete(close_scorer(scorer))
+        finally:
+            loop.close()
+
+    thread = threading.Thread(target=controller)
+    thread.start()
+    thread.join(60)
+    hung, scored, workers = out
+    assert (hung.status, hung.score) == ("error", None) and "reward.timeout_s = 1" in hung.reason
+    assert (scored.status, scored.score) == ("scored", 3.0)
+    assert len(workers) == 1
+    gone, alive = psutil.wait_procs([psutil.Process(pid) for pid in workers if psutil.pid_exists(pid)], timeout=5)
+    assert not alive
