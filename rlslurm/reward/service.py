@@ -114,6 +114,11 @@ class Counters:
             lines += ["# HELP rlslurm_reward_sandbox_total Sandbox executions, by outcome.",
                       "# TYPE rlslurm_reward_sandbox_total counter",
                       *(f'rlslurm_reward_sandbox_total{{status="{k}"}} {v}' for k, v in scorer.outcomes.items())]
+        pool = getattr(scorer, "pool", None) or getattr(scorer, "math", None)  # function / rule scorer
+        if pool is not None:
+            lines += ["# HELP rlslurm_reward_workers_replaced_total Worker processes killed (timeout) or found dead.",
+                      "# TYPE rlslurm_reward_workers_replaced_total counter",
+                      f"rlslurm_reward_workers_replaced_total {pool.replaced}"]
         return "\n".join(lines) + "\n"
 
 

@@ -96,10 +96,10 @@ class WorkerPool:
             raise WorkerFailed(f"{self.what} worker could not start: {hello.get('error')}")
         return worker
 
-    def _drop(self, worker: _Worker) -> None:
+    def _drop(self, worker: _Worker, replaced: bool = True) -> None:
         worker.kill()
         self._all.discard(worker)
-        self.replaced += 1
+        self.replaced += replaced
         # Reaped on the loop, so its pipes' transports close before the loop does (no zombie, no warning).
         self._reaping = {f for f in self._reaping if not f.done()}
         self._reaping.add(asyncio.ensure_future(worker.proc.wait()))
@@ -131,7 +131,7 @@ class WorkerPool:
     async def close(self) -> None:
         """Kill every worker and wait (bounded) until they are reaped."""
         for worker in list(self._all):
-            self._drop(worker)
+            self._drop(worker, replaced=False)
         if self._reaping:
             await asyncio.wait(self._reaping, timeout=5.0)
 

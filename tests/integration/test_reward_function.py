@@ -116,6 +116,8 @@ def test_a_hanging_function_times_out_alone_and_its_worker_is_replaced(service, 
         assert time.monotonic() < deadline, f"hung worker {hung} still runs"
         time.sleep(0.1)
     assert [r["score"] for r in score(service, [item(2, "gsm8k"), item(3, "gsm8k")])] == [1.0, 1.0]
+    metrics = http.get(sup.url + "/metrics").text
+    assert "rlslurm_reward_workers_replaced_total 0" not in metrics and "workers_replaced_total" in metrics
 
 
 def test_a_function_that_kills_its_worker_degrades_that_item_only(service):
