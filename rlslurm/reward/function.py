@@ -106,5 +106,9 @@ class FunctionScorer:
             return Scored(None, str(e))
         return Scored(reply["score"], reply["reason"])
 
+    async def warm(self) -> None:
+        """Start the workers (at service start): the file is imported before the first item waits on it."""
+        await self.pool.start()
+
     async def close(self) -> None:
         await self.pool.close()

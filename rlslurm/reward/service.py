@@ -48,6 +48,7 @@ from rlslurm.diag.config import DiagConfig
 from rlslurm.diag.guard import PhaseGuard
 from rlslurm.reward.config import RewardConfig
 from rlslurm.reward.scorers import CodeScorer, Item, JudgeScorer, ShardedHttp, close_scorer, make_scorer, score_bounded
+from rlslurm.reward.workers import WorkerFailed
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +171,12 @@ def make_app(cfg: RewardConfig, token: str, guard: PhaseGuard | None = None) -> 
         http = ShardedHttp(cfg.concurrency, cfg.timeout_s)
         state["scorer"] = make_scorer(cfg, http=http)
         state["slots"] = asyncio.Semaphore(cfg.concurrency)
+        warm = getattr(state["scorer"], "warm", None)
+        if warm is not None:  # a reward function's workers import the user's file before /health answers
+            try:
+                await warm()
+            except WorkerFailed as e:  # its items come back unscored with this reason; the log says it once
+                log.error("%s", e)
         ticker = None
         if guard is not None:
             beats.set_phase("idle")

@@ -104,13 +104,41 @@ class WorkerPool:
         self._reaping = {f for f in self._reaping if not f.done()}
         self._reaping.add(asyncio.ensure_future(worker.proc.wait()))
 
+    async def start(self) -> None:
+        """Start every worker now (the function scorer does at service start: an import slower than
+        reward.timeout_s would otherwise cost the first items). Raises WorkerFailed when one cannot start;
+        its slot then starts a fresh one at the next call."""
+        idle = self._queue()
+        taken = [idle.get_nowait() for _ in range(idle.qsize())]
+        fresh = await asyncio.gather(*(self._spawn() for w in taken if w is None), return_exceptions=True)
+        for worker in [w for w in taken if w is not None] + list(fresh):
+            idle.put_nowait(worker if isinstance(worker, _Worker) else None)
+        errors = [e for e in fresh if isinstance(e, BaseException)]
+        if errors:
+            raise WorkerFailed(str(errors[0])) from errors[0]
+
+    def _settle(self, idle: asyncio.Queue, spawning: asyncio.Future) -> None:
+        """A spawn whose caller was cancelled: its worker (or an empty slot) goes back to the queue."""
+        ok = not spawning.cancelled() and spawning.exception() is None
+        idle.put_nowait(spawning.result() if ok else None)
+
     async def call(self, request: dict[str, Any]) -> dict[str, Any]:
         """`request` answered by one worker. Cancelled (the caller's timeout) -> that worker is killed."""
         idle = self._queue()
         worker = await idle.get()
+        if worker is None:
+            # Shielded: a caller's timeout does not kill a worker that is still importing, or a slow import
+            # (torch in a user's file) would be restarted at every item and never be ready.
+            spawning = asyncio.ensure_future(self._spawn())
+            try:
+                worker = await asyncio.shield(spawning)
+            except asyncio.CancelledError:
+                spawning.add_done_callback(lambda done: self._settle(idle, done))
+                raise
+            except BaseException:
+                idle.put_nowait(None)
+                raise
         try:
-            if worker is None:
-                worker = await self._spawn()
             worker.proc.stdin.write(json.dumps(request).encode() + b"\n")
             await worker.proc.stdin.drain()
             line = await worker.proc.stdout.readline()
@@ -121,8 +149,7 @@ class WorkerPool:
         except BaseException:
             # Cancelled mid-call, died, or said something that is no reply: its state is unknown, so it goes
             # and the slot starts a fresh one next time.
-            if worker is not None:
-                self._drop(worker)
+            self._drop(worker)
             idle.put_nowait(None)
             raise
         idle.put_nowait(worker)

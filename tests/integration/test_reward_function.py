@@ -192,3 +192,61 @@ def test_inline_scoring_from_a_thread_of_its_own_is_bounded_too(tmp_path):
     assert len(workers) == 1
     gone, alive = psutil.wait_procs([psutil.Process(pid) for pid in workers if psutil.pid_exists(pid)], timeout=5)
     assert not alive
+
+
+def test_a_slow_import_is_not_restarted_by_each_timeout(tmp_path):
+    """A worker still importing (a user's file that imports torch, say) outlives the timeout of the item that
+    started it and serves the next ones; it is not killed and started again at every item."""
+    import asyncio
+
+    from rlslurm.reward.scorers import close_scorer, make_scorer, score_bounded
+
+    (tmp_path / "slow.py").write_text("import time\ntime.sleep(3)\n\ndef compute_score(d, s, g, extra_info=None):\n"
+                                      "    return 1\n")
+    scorer = make_scorer(RewardConfig(scorer="function", function=f"{tmp_path}/slow.py", concurrency=1))
+
+    async def run():
+        first = await score_bounded(scorer, item(0, "x"), 1.0)
+        await asyncio.sleep(4)
+        second = await score_bounded(scorer, item(1, "x"), 1.0)
+        await close_scorer(scorer)
+        return first, second, scorer.pool.replaced
+
+    first, second, replaced = asyncio.run(run())
+    assert first.status == "error" and (second.status, second.score) == ("scored", 1.0) and replaced == 0
+
+
+VERL_GSM8K = '''import re
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """verl's gsm8k rule, shortened: the number after '####' against the ground truth."""
+    found = re.findall(r"#### (\\-?[0-9\\.\\,]+)", solution_str)
+    if not found:
+        return 0.0
+    return {"score": float(found[-1].replace(",", "") == ground_truth), "index": extra_info["index"]}
+'''
+
+
+def test_rlslurm_score_with_a_verl_file_and_function(tmp_path):
+    """A verl parquet's rows (here jsonl) and its compute_score, unchanged, through `rlslurm score` (relative
+    paths, the working directory's, as a user runs it)."""
+    import subprocess
+    import sys
+
+    rows = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"What is {i}+{i}?"}],
+             "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(2 * i)},
+             "extra_info": {"split": "test", "index": i}} for i in range(6)]
+    (tmp_path / "gsm.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "responses.jsonl").write_text("".join(
+        json.dumps({"row": i, "response": f"so #### {2 * i if i % 2 == 0 else 7}"}) + "\n" for i in range(6)))
+    (tmp_path / "rewards.py").write_text(VERL_GSM8K)
+    (tmp_path / "job.yaml").write_text(
+        "job: {name: verl-score, kind: rl}\nplacement: {mode: colocate}\nhardware: {nodes: 1, gpus_per_node: 1}\n"
+        "data: {train: gsm.jsonl, eval: gsm.jsonl}\n"
+        "reward: {scorer: function, function: rewards.py, service: local}\n")
+    out = subprocess.run([sys.executable, "-m", "rlslurm.cli.main", "score", "job.yaml", "--responses",
+                          "responses.jsonl", "--show", "3"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "mean reward 0.5000" in out.stdout and "pass rate 0.500 (3/6" in out.stdout, out.stdout
+    assert "row 1: scored 0.0 rewards.py:compute_score: index=1" in out.stdout
