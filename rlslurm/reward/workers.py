@@ -179,9 +179,13 @@ def _score_of(value: Any, name: str) -> dict[str, Any]:
             return {"score": None, "reason": f"{name} returned a dict without 'score' (keys {sorted(value)[:8]})"}
         extra = ", ".join(f"{k}={v!r}" for k, v in value.items() if k != "score")
         value = value["score"]
-    if not isinstance(value, numbers.Real):
+    # numbers.Real covers bool, int, float and numpy's floats; __float__ numpy's bool_ and a 0-d tensor.
+    try:
+        if not isinstance(value, numbers.Real) and (isinstance(value, (str, bytes)) or not hasattr(value, "__float__")):
+            raise TypeError
+        score = float(value)
+    except Exception:  # a user's object whose __float__ raises (a tensor of many elements): no number
         return {"score": None, "reason": f"{name} returned {type(value).__name__} {value!r:.80}, not a number"}
-    score = float(value)
     if not math.isfinite(score):
         return {"score": None, "reason": f"{name} returned {score}, not a finite number"}
     return {"score": score, "reason": (f"{name}" + (f": {extra}" if extra else ""))[:REASON_CHARS]}

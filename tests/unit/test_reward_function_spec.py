@@ -75,6 +75,8 @@ def test_verl_arguments_from_a_verl_row():
     (True, 1.0, "f"), (3, 3.0, "f"), (-0.5, -0.5, "f"), ({"score": 0.25, "acc": 1}, 0.25, "f: acc=1"),
     ("1.0", None, "returned str '1.0', not a number"), (math.nan, None, "returned nan"),
     (math.inf, None, "returned inf"), (None, None, "returned NoneType"), ({"acc": 1}, None, "without 'score'"),
+    (__import__("numpy").bool_(True), 1.0, "f"), (__import__("numpy").float32(0.5), 0.5, "f"),
+    (__import__("torch").tensor(2.0), 2.0, "f"), (__import__("torch").tensor([1.0, 2.0]), None, "not a number"),
 ])
 def test_what_a_return_value_scores(value, score, reason):
     got = _score_of(value, "f")
