@@ -2,6 +2,8 @@
 
     scorer = make_scorer(cfg.reward)                   # rule | code | function | model | judge
     scored = await scorer.score(Item(id="0", prompt="12+7=", response="19", reference="19"))
+    verdict = await score_bounded(scorer, item, cfg.reward.timeout_s)   # the service's rules: never raises
+    await close_scorer(scorer)                         # its sandbox, its worker processes
 
 rule   the final answer against the reference. Two plain numbers (the answer from \\boxed{..}, "answer is
        ..", "#### ..", else the last number) are compared here as exact fractions ("1,000" == "1000.0"):
