@@ -204,6 +204,9 @@ def _rl_reward(job: "JobConfig") -> Iterator[Rule]:
     if w.scorer != "judge":
         for name, value in _changed(w, "judge_model", "judge_rubric", "judge_max_score"):
             yield _ignored(f"reward.{name}", value, scorer, "only the judge scorer reads it", "remove it")
+    if w.scorer != "function" and w.function is not None:
+        yield _ignored("reward.function", w.function, scorer, "only the function scorer calls it",
+                       "remove it, or set reward.scorer: function")
     if w.scorer != "rule" and w.format_regex is not None:
         yield _ignored("reward.format_regex", w.format_regex, scorer, "only the rule scorer reads it", "remove it")
     if w.scorer != "code":

@@ -61,6 +61,12 @@ class RewardServiceError(RlslurmError):
     exit_code = 8
 
 
+class ResponsesError(RlslurmError):
+    """A --responses file of `rlslurm score` that cannot be read: named by file and line."""
+
+    exit_code = 2
+
+
 class RunDirError(RlslurmError):
     """A run directory or job id that cannot be found or read."""
 

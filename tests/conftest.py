@@ -23,7 +23,7 @@ except ImportError:  # pragma: no cover
 # once. The tests that scan every process of the machine for the sandbox's uids run in the cluster's scope:
 # a sandboxed program of a test running beside them would be what they find.
 SERIAL = ("tests/cluster/", "tests/integration/test_reward_sandbox.py", "tests/integration/test_sandbox_escapes.py",
-          "tests/unit/test_reward_scorers.py")
+          "tests/unit/test_reward_scorers.py", "tests/integration/test_reward_humaneval.py")
 SHARED = {"tests/vllm/test_vllm_serve_sync.py": "tests/vllm/shared-engine",
           "tests/vllm/test_vllm_serving.py": "tests/vllm/shared-engine"}
 """Files that share one session-scoped server (tests/vllm/conftest.py `engine`): one scope, so it starts once."""

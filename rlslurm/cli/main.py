@@ -9,6 +9,7 @@
     rlslurm status <jobid|rundir>      rlslurm drain <jobid|rundir>
     rlslurm diag <jobid|rundir>        rlslurm envdiff A [B]
     rlslurm report <jobid|rundir>
+    rlslurm score examples/score-humaneval.yaml --responses FILE.jsonl [--split eval|train] [--show N]
 
 Every RlslurmError becomes one message on stderr and its class's exit code; `--debug` shows the
 traceback instead.
@@ -46,9 +47,9 @@ def cli(ctx: click.Context, debug: bool) -> None:
 
 def _register() -> None:
     # Each subcommand lives in its own module; importing it here keeps `rlslurm --help` complete.
-    from rlslurm.cli import diag, drain, envdiff, init, plan, report, resume, status, submit, validate
+    from rlslurm.cli import diag, drain, envdiff, init, plan, report, resume, score, status, submit, validate
 
-    for module in (init, validate, plan, submit, resume, status, drain, diag, envdiff, report):
+    for module in (init, validate, plan, submit, resume, status, drain, diag, envdiff, report, score):
         cli.add_command(module.command)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 from rlslurm.configfile import check, check_path, check_range, check_text
@@ -77,8 +78,14 @@ class SandboxConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class RewardConfig:
-    scorer: Literal["rule", "code", "model", "judge"] = "rule"
-    """rule = exact answer / format match; code = unit tests in the sandbox; model = an RM endpoint; judge = an LLM."""
+    scorer: Literal["rule", "code", "function", "model", "judge"] = "rule"
+    """rule = the final answer against the reference (plain numbers exactly, else math-verify); code = the
+    row's unit tests in the sandbox (HumanEval's layout); function = a user's verl-style compute_score
+    (reward.function); model = an RM endpoint; judge = an LLM."""
+    function: str | None = None
+    """The reward function of scorer `function`: FILE.py[:NAME] (NAME defaults to compute_score), the path
+    relative to the working directory; called as NAME(data_source, solution_str, ground_truth,
+    extra_info=None), returning a finite number or a dict with "score"; at most 4096 characters."""
     service: Literal["inline", "local", "component"] = "inline"
     """inline = scored in the controller; local = a supervised subprocess; component = its own SLURM het component."""
     partition: str | None = None
@@ -169,6 +176,16 @@ class RewardConfig:
         check_range(self.unhealthy_after, "unhealthy_after", 1, 1000)
         check_range(self.start_timeout_s, "start_timeout_s", 0, 86_400, low_open=True, note="seconds")
         check_range(self.max_restarts, "max_restarts", 0, 1000)
+        if self.scorer == "function":
+            check(bool(self.function), "function", "is required when reward.scorer = 'function' "
+                  "(FILE.py[:NAME], e.g. rewards.py:compute_score)")
+        if self.function is not None:
+            check_text(self.function, "function", 4096)
+            from rlslurm.reward.function import split_spec
+
+            path, _ = split_spec(self.function)
+            check(path.suffix == ".py" and path.is_file(), "function",
+                  f"= {self.function!r}: {path} is not a .py file here ({Path.cwd()}); the form is FILE.py[:NAME]")
         if self.scorer in ("model", "judge"):
             check(bool(self.endpoint), "endpoint", f"is required when reward.scorer = {self.scorer!r}")
         if self.format_regex is not None:

@@ -37,5 +37,6 @@ def item_for(sample: Sample, response: str, id: str) -> Item:
     and entry point (HumanEval), data_source and every other column (`extra`, JSON)."""
     extra = sample.extra or {}
     return Item(id=id, response=response, prompt=prompt_text(sample), reference=as_text(sample.reference),
+                reference_is_json=sample.reference is not None and not isinstance(sample.reference, str),
                 tests=sample.tests or "", entry_point=str(extra.get("entry_point") or ""),
                 data_source=str(extra.get("data_source") or ""), extra=json.dumps(extra, default=str))

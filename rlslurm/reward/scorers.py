@@ -1,15 +1,21 @@
-"""Scorers: turn one response into a reward in [0, 1] with a reason.
+"""Scorers: turn one response into a reward with a reason (a number; None when it cannot be scored).
 
-    scorer = make_scorer(cfg.reward)                   # rule | code | model | judge
+    scorer = make_scorer(cfg.reward)                   # rule | code | function | model | judge
     scored = await scorer.score(Item(id="0", prompt="12+7=", response="19", reference="19"))
+    verdict = await score_bounded(scorer, item, cfg.reward.timeout_s)   # the service's rules: never raises
+    await close_scorer(scorer)                         # its sandbox, its worker processes
 
-rule   the final answer (\\boxed{..}, "answer is ..", "#### ..", else the last number) against the
-       reference, numbers compared as exact fractions after normalisation ("1,000" == "1000.0"). A number
-       of more than MAX_NUMBER_DIGITS digits or an exponent past MAX_EXPONENT is compared as text: exact
-       arithmetic on "1e999999999" would hold the CPU for minutes. Scored off the event loop.
-code   the response's code (its first ```python block, else all of it) followed by the item's unit
-       tests, run once in the sandbox: 1.0 when the tests ran to their end (exit 0 and, after them, a token
-       the program never saw: an early exit(0) is no pass).
+rule   the final answer against the reference. Two plain numbers (the answer from \\boxed{..}, "answer is
+       ..", "#### ..", else the last number) are compared here as exact fractions ("1,000" == "1000.0"):
+       microseconds, and exactly the embedded arithmetic task's own rule. Anything else (LaTeX, \\frac,
+       \\pi, units, GSM8K's "#### n" reference) goes to Hugging Face's math-verify in a worker process
+       (math_answers.py, workers.py). A number of more than MAX_NUMBER_DIGITS digits or an exponent past
+       MAX_EXPONENT is compared as text: exact arithmetic on "1e999999999" would hold the CPU for minutes.
+code   a program run once in the sandbox: with an entry point (HumanEval's layout) the prompt, the response,
+       the tests and `check(entry_point)`; without, the response's code followed by the tests (code_program).
+       1.0 when the tests ran to their end (exit 0 and, after them, a token the program never saw: an early
+       exit(0) is no pass).
+function  a user's verl-style compute_score in a worker process (function.py).
 model  POST {endpoint} {"prompt", "response"} -> {"score": x} (a reward-model server).
 judge  an OpenAI-compatible chat endpoint with the rubric as system prompt; its reply must carry
        `SCORE: x`. A reply without one is a parse failure: counted, and the item comes back unscored.
@@ -20,9 +26,11 @@ A scorer raises ScorerUnavailable when its upstream (RM, judge) fails: the item 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 import secrets
+import threading
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Protocol
@@ -31,6 +39,9 @@ import httpx
 
 from rlslurm.reward.config import RewardConfig
 from rlslurm.reward.sandbox import Sandbox
+from rlslurm.reward.workers import WorkerFailed, WorkerPool
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -42,6 +53,9 @@ class Item:
     prompt: str = ""
     reference: str = ""
     """The row's ground truth as text (a non-text ground truth is JSON-encoded by whoever builds the item)."""
+    reference_is_json: bool = False
+    """The reference is JSON of a non-text ground truth (a list, dict or number): a reward function gets it
+    decoded (function.py); text references are never parsed."""
     tests: str = ""
     """A code problem's tests (HumanEval's `test`: defines check(candidate))."""
     entry_point: str = ""
@@ -54,7 +68,8 @@ class Item:
 
 @dataclass(frozen=True)
 class Scored:
-    """A reward in [0, 1], or None when the scorer could not decide (e.g. a judge parse failure)."""
+    """A reward (rule, code, judge: in [0, 1]; a user's function: any finite number), or None when the
+    scorer could not decide (a judge parse failure, a function that raised)."""
 
     score: float | None
     reason: str
@@ -69,6 +84,15 @@ class Scorer(Protocol):
 
 
 # ---------------------------------------------------------------- rule
+
+_GSM8K = re.compile(r"####\s*([^\n]+)")
+
+
+def gsm8k_final(text: str) -> str:
+    """What follows the last `####` (GSM8K's final answer line), else `text`."""
+    found = _GSM8K.findall(text)
+    return found[-1].strip() if found else text
+
 
 _BOXED = re.compile(r"\\boxed\{([^{}]*(?:\{[^{}]*\}[^{}]*)*)\}")
 _ANSWER_IS = re.compile(r"(?:answer\s*(?:is|:|=)|####)\s*([^\n]+)", re.IGNORECASE)
@@ -112,20 +136,38 @@ def normalise_number(text: str) -> Fraction | None:
     return value / 100 if percent else value
 
 
-def rule_score(response: str, reference: str, format_regex: str | None = None) -> Scored:
-    """1.0 when the response's final answer equals the reference (as numbers where both are)."""
+def rule_verdict(response: str, reference: str, format_regex: str | None = None) -> Scored | None:
+    """The rule's score when the format gate or plain numbers decide it; None when math-verify must."""
     if format_regex is not None and not re.search(format_regex, response):
         return Scored(0.0, "format: response does not match reward.format_regex")
     answer = extract_answer(response)
-    if answer is None:
+    # GSM8K's answer column is the worked solution ending in "#### 72": its final answer is the reference.
+    reference = gsm8k_final(reference)
+    want = normalise_number(reference)
+    if answer is None and want is not None:
         return Scored(0.0, "no answer found")
-    got, want = normalise_number(answer), normalise_number(reference)
-    if got is not None and want is not None:
-        same = got == want
-    else:
-        same = "".join(answer.split()).lower() == "".join(reference.split()).lower()
+    got = normalise_number(answer) if answer is not None else None
+    if got is None or want is None:
+        return None
+    same = got == want
     return Scored(1.0 if same else 0.0, f"answer {_short(answer)} {'==' if same else '!='} reference "
                                         f"{_short(reference)}")
+
+
+def rule_score(response: str, reference: str, format_regex: str | None = None) -> Scored:
+    """1.0 when the response's final answer equals the reference: as numbers where both are plain numbers,
+    else through math-verify in this process (its signal timeouts on the main thread only)."""
+    verdict = rule_verdict(response, reference, format_regex)
+    if verdict is not None:
+        return verdict
+    from rlslurm.reward.math_answers import verify_scored
+
+    main = threading.current_thread() is threading.main_thread()
+    return verify_scored(response, reference, timeout_s=MATH_TIMEOUT_S if main else None)
+
+
+MATH_TIMEOUT_S = 5
+"""math-verify's own bound per parse and per comparison, seconds (signal.alarm: a worker's main thread)."""
 
 
 def _short(text: str, chars: int = 80) -> str:
@@ -136,11 +178,27 @@ def _short(text: str, chars: int = 80) -> str:
 @dataclass
 class RuleScorer:
     format_regex: str | None = None
+    math: WorkerPool | None = None
+    """Workers for math-verify (started on the first answer that is not a plain number)."""
 
     async def score(self, item: Item) -> Scored:
         # Regexes and number parsing are CPU work: in a thread, so the service's event loop (and /health)
         # keep answering; their inputs are bounded (reward.max_item_bytes, MAX_NUMBER_DIGITS, MAX_EXPONENT).
-        return await asyncio.to_thread(rule_score, item.response, item.reference, self.format_regex)
+        verdict = await asyncio.to_thread(rule_verdict, item.response, item.reference, self.format_regex)
+        if verdict is not None:
+            return verdict
+        if self.math is None:
+            return await asyncio.to_thread(rule_score, item.response, item.reference, self.format_regex)
+        try:
+            reply = await self.math.call({"response": item.response, "reference": item.reference,
+                                          "timeout_s": MATH_TIMEOUT_S})
+        except WorkerFailed as e:
+            return Scored(None, str(e))
+        return Scored(reply["score"], reply["reason"])
+
+    async def close(self) -> None:
+        if self.math is not None:
+            await self.math.close()
 
 
 # ---------------------------------------------------------------- code
@@ -154,6 +212,20 @@ def extract_code(response: str) -> str:
     return found.group(1) if found else response
 
 
+def code_program(item: Item) -> str:
+    """The program the code scorer runs for `item`. HumanEval's layout (an entry point): the prompt (the
+    function's signature and docstring), the response as its completion, the tests, `check(entry_point)`;
+    a response whose fenced code block itself defines the entry point is taken alone instead of the prompt
+    and completion (a chat model's answer restates the whole function). Without an entry point: the
+    response's first code block (else all of it), then the tests."""
+    if not item.entry_point:
+        return extract_code(item.response) + "\n\n" + item.tests + "\n"
+    found = _FENCE.search(item.response)
+    defines = found and re.search(rf"^\s*(?:async\s+)?def\s+{re.escape(item.entry_point)}\s*\(", found.group(1), re.M)
+    solution = found.group(1) if defines else item.prompt + item.response
+    return f"{solution}\n{item.tests}\ncheck({item.entry_point})\n"
+
+
 @dataclass
 class CodeScorer:
     sandbox: Sandbox
@@ -165,7 +237,7 @@ class CodeScorer:
         # would pass. The tests pass only when the runner, after the tests, prints a token that never
         # appears in the program's text (it comes on stdin and lives in the runner's frame).
         token = secrets.token_hex(16)
-        source = extract_code(item.response) + "\n\n" + item.tests + "\n"
+        source = code_program(item)
         result = await self.sandbox.execute(_CODE_RUNNER, stdin=f"{token}\n{source}".encode())
         self.outcomes[result.status] = self.outcomes.get(result.status, 0) + 1
         if result.passed and result.stdout.rstrip().endswith(token.encode()):
@@ -276,13 +348,58 @@ class JudgeScorer:
         return Scored(value, "judge")
 
 
+MAX_REASON_CHARS = 300
+"""A verdict's `reason` is cut to this: it must not echo a response of any size back."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One item's outcome as the service answers it: scored (a number), unscored (the scorer decided it cannot
+    score: a function that raised, a judge reply without a mark) or error (timeout, upstream down: retryable)."""
+
+    score: float | None
+    status: str
+    reason: str
+
+
+async def score_bounded(scorer: Scorer, item: Item, timeout_s: float) -> Verdict:
+    """`scorer` on `item` within `timeout_s` whatever the scorer (a hung judge, a user's function: its worker
+    is killed on the cancel), never raising: the reward service's rules, for the service and the inline path."""
+    try:
+        scored = await asyncio.wait_for(scorer.score(item), timeout_s)
+    except asyncio.TimeoutError:
+        return Verdict(None, "error", f"scoring ran past reward.timeout_s = {timeout_s:g} s")
+    except ScorerUnavailable as e:
+        return Verdict(None, "error", str(e)[:MAX_REASON_CHARS])
+    except Exception as e:  # one bad item must not take the batch (or the service) down
+        log.exception("scoring item %s failed", item.id)
+        return Verdict(None, "error", f"scorer crashed: {e!r}"[:MAX_REASON_CHARS])
+    return Verdict(scored.score, "scored" if scored.score is not None else "unscored", scored.reason[:MAX_REASON_CHARS])
+
+
+async def close_scorer(scorer: Scorer) -> None:
+    """Stop what a scorer started: the code scorer's sandbox, the rule and function scorers' worker processes."""
+    sandbox = getattr(scorer, "sandbox", None)
+    if sandbox is not None:
+        sandbox.close()
+    close = getattr(scorer, "close", None)
+    if close is not None:
+        await close()
+
+
 def make_scorer(cfg: RewardConfig, http: ShardedHttp | None = None, sandbox: Sandbox | None = None) -> Scorer:
-    """The scorer `cfg.scorer` names; HTTP scorers share `http`, the code scorer uses `sandbox`."""
+    """The scorer `cfg.scorer` names; HTTP scorers share `http`, the code scorer uses `sandbox`; the rule and
+    function scorers' worker processes number min(concurrency, cores) (CPU-bound Python)."""
+    workers = min(cfg.concurrency, os.cpu_count() or 1)
     if cfg.scorer == "rule":
-        return RuleScorer(cfg.format_regex)
+        return RuleScorer(cfg.format_regex, WorkerPool(["--math"], workers, "math-verify"))
+    if cfg.scorer == "function":
+        from rlslurm.reward.function import FunctionScorer
+
+        return FunctionScorer.start(cfg.function, workers)
     if cfg.scorer == "code":
         # More programs than cores would turn CPU-bound tests into wall timeouts: slots <= cores.
-        return CodeScorer(sandbox or Sandbox(cfg.sandbox, slots=min(cfg.concurrency, os.cpu_count() or 1)))
+        return CodeScorer(sandbox or Sandbox(cfg.sandbox, slots=workers))
     http = http or ShardedHttp(cfg.concurrency, cfg.timeout_s)
     if cfg.scorer == "model":
         return ModelScorer(cfg.endpoint, http)

@@ -4,8 +4,8 @@
     python -m rlslurm.reward.service --port 8321 --secret-file F --scorer judge --endpoint http://127.0.0.1:9000/v1
 
     GET  /health    {"status": "ok", "pid", "scorer", "inflight", "sandbox_mode"}             (open to all)
-    POST /score     {"items": [{"id", "response", "prompt", "reference", "tests", "entry_point", "data_source",
-                               "extra"}, ...]}
+    POST /score     {"items": [{"id", "response", "prompt", "reference", "reference_is_json", "tests",
+                               "entry_point", "data_source", "extra"}, ...]}
                  -> {"results": [{"id", "score", "status", "reason"}, ...]}   status: scored | unscored | error
     GET  /metrics   Prometheus text format
 
@@ -13,7 +13,7 @@ Trust (rlslurm/wire.py): /score and /metrics need `Authorization: Bearer <the jo
 without); `reward.open_data_plane` opens /score. A body is strict and bounded: at most
 `reward.max_items_per_request` items (400 past it), an item over `reward.max_item_bytes` comes back
 unscored without reaching its scorer; each item is scored within `reward.timeout_s` (then `error`);
-a `reason` is cut to MAX_REASON_CHARS.
+a `reason` is cut to scorers.MAX_REASON_CHARS.
 
 Items of one batch, and of all batches in flight, are scored at once up to `reward.concurrency`
 (an asyncio semaphore): a 2 s judge scores 512 responses at concurrency 64 in ~16 s, not 1024 s.
@@ -47,13 +47,12 @@ from rlslurm.configfile import load_mapping, read_yaml
 from rlslurm.diag.config import DiagConfig
 from rlslurm.diag.guard import PhaseGuard
 from rlslurm.reward.config import RewardConfig
-from rlslurm.reward.scorers import CodeScorer, Item, JudgeScorer, ScorerUnavailable, ShardedHttp, make_scorer
+from rlslurm.reward.scorers import CodeScorer, Item, JudgeScorer, ShardedHttp, close_scorer, make_scorer, score_bounded
+from rlslurm.reward.workers import WorkerFailed
 
 log = logging.getLogger(__name__)
 
 
-MAX_REASON_CHARS = 300
-"""A result's `reason` is cut to this: it must not echo a response of any size back."""
 _TEXT = 1 << 24  # structural cap per field; reward.max_item_bytes is the real limit
 
 
@@ -63,6 +62,7 @@ class ItemIn(BaseModel):
     response: str = Field(max_length=_TEXT)
     prompt: str = Field("", max_length=_TEXT)
     reference: str = Field("", max_length=_TEXT)
+    reference_is_json: bool = False
     tests: str = Field("", max_length=_TEXT)
     entry_point: str = Field("", max_length=256)
     data_source: str = Field("", max_length=256)
@@ -115,6 +115,11 @@ class Counters:
             lines += ["# HELP rlslurm_reward_sandbox_total Sandbox executions, by outcome.",
                       "# TYPE rlslurm_reward_sandbox_total counter",
                       *(f'rlslurm_reward_sandbox_total{{status="{k}"}} {v}' for k, v in scorer.outcomes.items())]
+        pool = getattr(scorer, "pool", None) or getattr(scorer, "math", None)  # function / rule scorer
+        if pool is not None:
+            lines += ["# HELP rlslurm_reward_workers_replaced_total Worker processes killed (timeout) or found dead.",
+                      "# TYPE rlslurm_reward_workers_replaced_total counter",
+                      f"rlslurm_reward_workers_replaced_total {pool.replaced}"]
         return "\n".join(lines) + "\n"
 
 
@@ -166,6 +171,12 @@ def make_app(cfg: RewardConfig, token: str, guard: PhaseGuard | None = None) -> 
         http = ShardedHttp(cfg.concurrency, cfg.timeout_s)
         state["scorer"] = make_scorer(cfg, http=http)
         state["slots"] = asyncio.Semaphore(cfg.concurrency)
+        warm = getattr(state["scorer"], "warm", None)
+        if warm is not None:  # a reward function's workers import the user's file before /health answers
+            try:
+                await warm()
+            except WorkerFailed as e:  # its items come back unscored with this reason; the log says it once
+                log.error("%s", e)
         ticker = None
         if guard is not None:
             beats.set_phase("idle")
@@ -176,9 +187,7 @@ def make_app(cfg: RewardConfig, token: str, guard: PhaseGuard | None = None) -> 
             if ticker is not None:
                 ticker.cancel()
             await http.aclose()
-            sandbox = getattr(state["scorer"], "sandbox", None)
-            if sandbox is not None:
-                sandbox.close()
+            await close_scorer(state["scorer"])  # its sandbox, its worker processes
 
     app = FastAPI(title="rlslurm reward service", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
@@ -197,19 +206,8 @@ def make_app(cfg: RewardConfig, token: str, guard: PhaseGuard | None = None) -> 
             start = time.monotonic()
             try:
                 # Bounded in time whatever the scorer: a judge that hangs, a rule on a pathological answer.
-                scored = await asyncio.wait_for(state["scorer"].score(Item(**item.model_dump())), cfg.timeout_s)
-                status = "scored" if scored.score is not None else "unscored"
-                out = {"id": item.id, "score": scored.score, "status": status,
-                       "reason": scored.reason[:MAX_REASON_CHARS]}
-            except asyncio.TimeoutError:
-                out = {"id": item.id, "score": None, "status": "error",
-                       "reason": f"scoring ran past reward.timeout_s = {cfg.timeout_s:g} s"}
-            except ScorerUnavailable as e:
-                out = {"id": item.id, "score": None, "status": "error", "reason": str(e)[:MAX_REASON_CHARS]}
-            except Exception as e:  # one bad item must not take the batch (or the service) down
-                log.exception("scoring item %s failed", item.id)
-                out = {"id": item.id, "score": None, "status": "error",
-                       "reason": f"scorer crashed: {e!r}"[:MAX_REASON_CHARS]}
+                verdict = await score_bounded(state["scorer"], Item(**item.model_dump()), cfg.timeout_s)
+                out = {"id": item.id, "score": verdict.score, "status": verdict.status, "reason": verdict.reason}
             finally:
                 counters.inflight -= 1
                 counters.seconds_sum += time.monotonic() - start
@@ -265,7 +263,8 @@ def load_diag_config(path: str | Path | None) -> DiagConfig:
               help=f"The job's secret (<run>/secret); default: the file ${secret.ENV_VAR} names.")
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
               help="Job YAML; its reward: section.")
-@click.option("--scorer", type=click.Choice(["rule", "code", "model", "judge"]), help="Overrides reward.scorer.")
+@click.option("--scorer", type=click.Choice(["rule", "code", "function", "model", "judge"]),
+              help="Overrides reward.scorer.")
 @click.option("--endpoint", help="Overrides reward.endpoint.")
 @click.option("--concurrency", type=int, help="Overrides reward.concurrency.")
 @click.option("--run-dir", type=click.Path(file_okay=False), help="Run directory: heartbeats as role reward.")

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from rlslurm.reward.config import RewardConfig
-from rlslurm.reward.service import MAX_REASON_CHARS
+from rlslurm.reward.scorers import MAX_REASON_CHARS
 from rlslurm.reward.supervisor import RewardSupervisor
 from rlslurm.secret import bearer
 
