@@ -28,7 +28,7 @@ NOTABLE = {
     events.RESUME: "resumed from {checkpoint}",
     events.EXPERIENCE_RESTORED: "experience of steps {steps} restored",
     events.DRAIN_REQUESTED: "draining: {reason}",
-    events.DRAINED: "drained at step {step}: {reason} ({after})",
+    events.DRAINED: "drained at step {step}: {reason}",
     events.HANG_DETECTED: "hang detected: {message}",
     events.HANG_ACTION: "hang: {action}",
     events.REQUEUE: "requeued",
@@ -70,9 +70,10 @@ def _after_drain(requeued) -> str:
 
 def _event_note(event: dict) -> str:
     fields = defaultdict(lambda: "?", {k: v for k, v in event.items() if v is not None})
-    if events.kind_of(event) == events.DRAINED:
-        fields["after"] = _after_drain(event.get("requeued"))
-    return NOTABLE[events.kind_of(event)].format_map(fields)
+    note = NOTABLE[events.kind_of(event)].format_map(fields)
+    if events.kind_of(event) == events.DRAINED:  # who brings it back: read from its `requeued`, not a template field
+        note += f" ({_after_drain(event.get('requeued'))})"
+    return note
 
 
 class Progress:
