@@ -68,10 +68,22 @@ def _metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def one(cap: str, seed: int, root: Path) -> dict:
-    """SFT then GRPO at one kernel path and seed: the row of the table."""
+def _done_sft(root: Path) -> Path | None:
+    """The newest finished SFT run under `root` (its sft_eval line written), or None."""
+    runs = [r for r in sorted(root.glob("tiny-sft-*")) if (r / "metrics.jsonl").exists()
+            and any(m.get("kind") == "sft_eval" for m in _metrics(r))]
+    return runs[-1] if runs else None
+
+
+def one(cap: str, seed: int, root: Path, reuse_sft: bool = False) -> dict:
+    """SFT then GRPO at one kernel path and seed: the row of the table. `reuse_sft`: GRPO from the SFT run this
+    root already holds for (cap, seed), when there is one (its wall seconds then read as 0)."""
     load = os.getloadavg()[0]
-    sft, sft_s = _submit("tiny-sft.yaml", root / f"{cap}-{seed}", cap, [f"train.seed={seed}"])
+    sft = _done_sft(root / f"{cap}-{seed}") if reuse_sft else None
+    if sft is not None:
+        sft_s = 0.0
+    else:
+        sft, sft_s = _submit("tiny-sft.yaml", root / f"{cap}-{seed}", cap, [f"train.seed={seed}"])
     sft_eval = next(r for r in _metrics(sft) if r.get("kind") == "sft_eval")
     rl, rl_s = _submit("tiny-grpo.yaml", root / f"{cap}-{seed}", cap,
                        [f"train.seed={seed}", f"train.init_from={sft / 'export' / 'hf'}"])
@@ -105,6 +117,9 @@ def main() -> int:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--run-root", type=Path, default=ROOT / "runs" / "bench-learning")
     parser.add_argument("--json-out", type=Path, default=None)
+    parser.add_argument("--reuse-sft", action="store_true",
+                        help="GRPO from the SFT run already under --run-root for each (path, seed): SFT does not "
+                             "depend on the RL recipe, so an RL change is measured without training SFT again")
     args = parser.parse_args()
     caps = args.caps or cpu_caps()
     missing = [c for c in caps if c not in cpu_caps()]
@@ -113,7 +128,7 @@ def main() -> int:
     rows = []
     for cap in [c for c in caps if c not in missing]:
         for seed in args.seeds:
-            rows.append(one(cap, seed, args.run_root))
+            rows.append(one(cap, seed, args.run_root, args.reuse_sft))
             print(table(rows[-1:]).splitlines()[1], flush=True)
     print(table(rows))
     if args.json_out:
