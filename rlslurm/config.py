@@ -120,9 +120,6 @@ class JobConfig:
         if self.data.train is not None:
             check(self.job.kind in ("sft", "rl"), "data.train",
                   f"is read by the sft and rl entrances; job.kind = {self.job.kind!r} has no data")
-            check(self.job.kind == "sft", "data.train",
-                  "is read by the sft entrance so far; RL on a user's dataset (job.kind = rl) is not built yet: "
-                  "it trains on task:")
         for key, message in ignored_values(self):
             raise FieldError(key, message)
         if self.train.backend == "megatron":

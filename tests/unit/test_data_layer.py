@@ -136,5 +136,7 @@ def test_data_keys_are_validated_once_and_named(tmp_path):
     for data, words in bad:
         with pytest.raises(ConfigError, match=words.replace(".", r"\.").replace("(", r"\(")):
             _job(tmp_path, data)
-    with pytest.raises(ConfigError, match="RL on a user's dataset"):
-        _job(tmp_path, {"train": "t.jsonl", "eval_fraction": 0.1}, kind="rl")
+    # GRPO on a user's rows is built: job.kind = rl takes data.train as sft does
+    assert _job(tmp_path, {"train": "t.jsonl", "eval_fraction": 0.1}, kind="rl").data.train == "t.jsonl"
+    with pytest.raises(ConfigError, match=r"data\.max_bad_share = 1\.5 must be <= 1"):
+        _job(tmp_path, {"train": "t.jsonl", "eval_fraction": 0.1, "max_bad_share": 1.5})
