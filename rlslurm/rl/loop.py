@@ -184,6 +184,8 @@ class Loop:
         if controller is None:
             return
         controller.current_weights = self.policy.weights  # a lone engine's replacement is synced to them mid-step
+        with self.guard.phase("data", step=self.step):  # first: a checkpoint of other data fails the start here
+            controller.stream.resume(self.step, self.rl_state.get("data"))
         with self.guard.phase("sync", step=self.step):
             controller.check_env()
             controller.sync_engines(self.policy.weights(), version=self.version, step=self.step)
@@ -193,7 +195,6 @@ class Loop:
             self.rl_state["last_eval"] = result
             events.emit(self.run_dir, events.EVAL, step=self.step, **result)
         # rl.max_staleness > 0: from here on the next steps' rollouts run while this one trains.
-        controller.stream.resume(self.step, self.rl_state.get("data"))
         controller.start_experience(self.step, self.version, self.rl_state)
 
     def _agree_at_boundary(self, interval: IntervalPolicy) -> Boundary:
