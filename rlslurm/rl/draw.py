@@ -10,10 +10,8 @@ Step m takes positions p0 + (m - s0) * per_step onwards, (s0, p0) the step and p
 a function of the step alone, whichever thread draws it and however far ahead (rl.max_staleness), so a
 resumed or requeued run draws exactly the rows the uninterrupted run drew. A bad row (RowError: a column
 missing, a prompt of the wrong type) is skipped, not replaced, so positions stay a function of the step; it
-is counted in the step's `data_bad_rows`. `rlslurm validate` reads the first data.check_rows rows of a file, so a
-bad row further on is found only when a step draws it: one is skipped (a step does not fail for it); many mean the
-file is not what the job thinks it is, and training on what is left would hide that, so past data.max_bad_share
-of the rows drawn so far the job stops with BadRowShareError, naming the file, row and column of the last one.
+is counted in the step's `data_bad_rows`, and past data.max_bad_share of the rows drawn so far the job stops
+(BadRowShareError, rlslurm/data/table.py).
 """
 
 from __future__ import annotations
@@ -24,37 +22,10 @@ from dataclasses import dataclass, field
 from rlslurm.data.layout import DataError, RowError
 from rlslurm.data.sample import Sample
 from rlslurm.data.sampler import Sampler
-from rlslurm.data.table import SampleTable, row_error
+from rlslurm.data.table import BadRows, BadRowShareError, SampleTable, row_error
 from rlslurm.errors import CheckpointError
 
-
-class BadRowShareError(DataError):
-    """More of the rows drawn at run time broke the data layout's rules than data.max_bad_share allows."""
-
-
-@dataclass
-class BadRows:
-    """The run's count of rows drawn and rows skipped as bad (saved in checkpoints: a resumed run goes on
-    counting from there)."""
-
-    max_share: float
-    drawn: int = 0
-    bad: int = 0
-    last: str | None = None
-    """The last bad row: file, row and column, what is wrong (rlslurm/data/table.py's row_error)."""
-
-    def add(self, drawn: int, bad: int, last: str | None = None) -> None:
-        """Count `drawn` rows of which `bad` were skipped; BadRowShareError once bad / drawn > max_share."""
-        self.drawn, self.bad = self.drawn + drawn, self.bad + bad
-        self.last = last or self.last
-        if self.bad > self.max_share * self.drawn:
-            raise BadRowShareError(
-                f"{self.bad} of the {self.drawn} training rows drawn so far broke the data layout's rules, past "
-                f"data.max_bad_share = {self.max_share:g}; the last: {self.last} (fix the rows: `rlslurm validate "
-                f"--set data.check_rows=N` reads N of them; or raise data.max_bad_share to skip them)")
-
-    def state(self) -> dict:
-        return {"drawn": self.drawn, "bad": self.bad}
+__all__ = ["BadRowShareError", "PromptStream", "StepPrompts"]  # BadRowShareError: what draw() raises
 
 
 @dataclass
