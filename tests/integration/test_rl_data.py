@@ -25,7 +25,10 @@ import pytest
 import yaml
 
 from rlslurm.checkpoint import latest_complete
+from rlslurm.config import load_config
+from rlslurm.data.splits import load_splits
 from rlslurm.events import read_events
+from rlslurm.rl.draw import PromptStream
 from rlslurm.rundir import RunDir, read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,6 +76,14 @@ def _steps(run: RunDir) -> dict[int, dict]:
     return {r["step"]: r for r in read_jsonl(run.metrics) if "policy_version" in r}
 
 
+def _uninterrupted_rows(run: RunDir, steps: int) -> dict[int, list[int]]:
+    """step -> the rows a run of the job that never stopped draws (its stream: train.seed and the step alone)."""
+    job = load_config(run.config)
+    stream = PromptStream(load_splits(job)[0], per_step=job.rl.prompts_per_step, seed=job.train.seed,
+                          max_bad_share=1.0)
+    return {s: stream.draw(s - 1).rows for s in range(1, steps + 1)}
+
+
 FAST = {"steps": 4, "seed": 0, "init_from": None}
 """Few steps and prompts: CI runs ~1,650 tests on 2 cores."""
 FAST_RL = {"prompts_per_step": 8, "samples_per_prompt": 4, "eval_every": 2, "eval_rows": 40, "max_staleness": 0}
@@ -104,6 +115,7 @@ def test_grpo_on_a_verl_parquet_runs_to_done_scored_and_evaluated_on_data_eval(s
     assert sorted(steps) == [1, 2, 3, 4]
     assert all(len(r["data_rows"]) == 8 and r["data_bad_rows"] == 0 for r in steps.values())
     assert [r["data_index"] for r in steps.values()] == [0, 8, 16, 24]
+    assert {s: r["data_rows"] for s, r in steps.items()} == _uninterrupted_rows(run, 4)
     assert any(r["reward_mean"] > 0 for r in steps.values()) and any(r["effective_samples"] for r in steps.values())
     assert {"eval_reward_mean", "eval_pass_rate", "held_out_accuracy"} <= set(steps[4])
     assert done["eval_pass_rate"] == steps[4]["eval_pass_rate"]
@@ -115,18 +127,19 @@ def test_text_prompts_through_the_reward_service_resume_at_the_same_next_row(tmp
                      data={"_replace": True, "train": data, "eval_fraction": 0.1, "layout": "auto"},
                      reward={"_replace": True, "scorer": "rule", "service": "local", "batch_size": 16},
                      checkpoint={"interval_steps": 2})
-    straight = _submit(config, tmp_path / "runs")
     first = _submit(config, tmp_path / "runs", "train.steps=2")
     state = latest_complete(first).load_json("rl_state")
     assert state["data"] == {"epoch": 0, "index": 16, "rows": 180, "seed": 0, "drawn": 16, "bad": 0}
     resumed = _cli("resume", str(first.path), "--set", "train.steps=4", "--wait")
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    rows, again = _steps(straight), _steps(first)
-    assert sorted(again) == [1, 2, 3, 4]
-    assert [again[s]["data_rows"] for s in (3, 4)] == [rows[s]["data_rows"] for s in (3, 4)], \
+    steps = _steps(first)
+    (resume,) = read_events(first, "resume")
+    assert sorted(steps) == [1, 2, 3, 4] and resume["step"] == 2
+    assert {s: r["data_rows"] for s, r in steps.items()} == _uninterrupted_rows(first, 4), \
         "the resumed run drew other rows than the uninterrupted one"
+    assert (steps[3]["data_epoch"], steps[3]["data_index"]) == (0, 16)
     # scored by the supervised reward service (reward.service = local), not in the controller
-    assert (straight.path / "logs" / "reward-service.yaml").is_file()
+    assert (first.path / "logs" / "reward-service.yaml").is_file()
 
 
 def test_a_resume_on_other_data_is_refused_naming_both(verl_data, tmp_path):
