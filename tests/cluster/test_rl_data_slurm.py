@@ -2,7 +2,8 @@
 trainer on a `train` node, the engine on a `rollout` node; drained mid-run with `rlslurm drain`, requeued by
 itself, and resumed at the same next row: every step, before the drain and after it, trains on exactly the rows
 an uninterrupted run draws at that step (the stream is a function of train.seed and the step alone, so the
-expected rows are computed here from the data, no reference run needed). ~2 min on 2 shared cores.
+expected rows are computed here from the data, no reference run needed). ~3 min on 2 shared cores (cluster
+start and a short SFT included).
 
     RLSLURM_SLURM_PORT_BASE=21817 python -m pytest -q -s tests/cluster/test_rl_data_slurm.py
 
