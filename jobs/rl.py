@@ -1,7 +1,9 @@
-"""The RL entrance: GRPO on the task, with rollout engines, a reward, and verified weight sync.
+"""The RL entrance: GRPO on the task or a user's data (`data:`), with rollout engines, a reward, and verified
+weight sync.
 
     rlslurm submit examples/tiny-grpo.yaml            # starts from train.init_from (the SFT export) as it is
     rlslurm submit examples/smollm2-grpo.yaml         # a real pretrained model, chat template (docs/real-model.md)
+    rlslurm submit examples/grpo-verl.yaml            # a verl parquet and its compute_score (docs/data.md)
 
 Every trainer rank runs `run(job, run_dir)`; rank 0 is also the controller. One step reads like the
 diagram in DESIGN.md, each phase inside the phase guard:
@@ -31,7 +33,8 @@ version and syncs the new engines to it. Engine sampling is seeded by (train.see
 a resumed run draws the same samples: tests/cluster/test_rl_slurm.py holds it to the uninterrupted
 run's reward/loss trajectory.
 
-The reward (`reward.service`): `inline` scores in the controller with the task's rule; `local` (the
+The reward (`reward.service`): `inline` scores in the controller (the task's rule; a data row by the service's
+own scorer, rlslurm/rl/scoring.py); `local` (the
 example's default) runs the supervised reward service (rlslurm/reward/) beside the controller; `component`
 runs it in a het component of its own on `reward.partition` (`run_reward`, announced in
 <run>/endpoints/reward.json). Each engine's responses go to the service as they arrive, `reward.batch_size`

@@ -13,21 +13,20 @@ Run one rank by hand (rank, world and master come from the environment, see rlsl
     RANK=1 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29511 \\
         python -m rlslurm.jobs.sft --config examples/tiny-sft.yaml --run-dir runs/sft
 
-Each rank calls `run_sft(job, run_dir)`: join the process group (gloo on CPU, NCCL on GPU), build the
-same model from train.seed (or load train.init_from), train train.steps optimizer steps on a data order
-fixed by train.seed (rlslurm/data/: the rows as Samples, prompt text or chat messages, the loss on the
-completion tokens only; rows past model.max_positions dropped or cut per data.too_long and counted), then
-rank 0 writes <run>/export/hf (config.json, model.safetensors, generation_config.json, tokenizer files)
-atomically — the directory an RL job's `train.init_from` names and a vLLM engine loads — and records the
-held-out result in <run>/metrics.jsonl: greedy accuracy on the task, completion loss on a user's data.
+Each rank calls `run_sft(job, run_dir)`: join the process group (gloo on CPU, NCCL on GPU), build the same model
+from train.seed (or load train.init_from), train train.steps optimizer steps on a data order fixed by train.seed
+(rlslurm/data/: the rows as Samples, prompt text or chat messages, the loss on the completion tokens only; rows past
+model.max_positions dropped or cut per data.too_long and counted), then rank 0 writes <run>/export/hf (config.json,
+model.safetensors, generation_config.json, tokenizer files) atomically — the directory an RL job's `train.init_from`
+names and a vLLM engine loads — and records the held-out result in <run>/metrics.jsonl: greedy accuracy on the task,
+completion loss on a user's data.
 
-Stop and come back like every entrance (rlslurm/lifecycle.py): checkpoints every `checkpoint.*`
-interval through rlslurm/checkpoint.py; on a drain (SIGUSR1, SIGTERM, <run>/control/drain) all ranks
-stop at one step boundary, checkpoint, requeue and exit 75; a start resumes from the newest complete
-checkpoint. Everything a resume needs (model, optimizer, schedule, every rank's RNG, step) is in `SFTState`,
-and the data position (epoch, index) is in the checkpoint's trainer.json beside it, so a resumed run ends
-with the same losses and weights as one that never stopped. The phase guard (diag/guard.py) wraps every
-phase: start, data, train, checkpoint, export.
+Stop and come back like every entrance (rlslurm/lifecycle.py): checkpoints every `checkpoint.*` interval through
+rlslurm/checkpoint.py; on a drain (SIGUSR1, SIGTERM, <run>/control/drain) all ranks stop at one step boundary,
+checkpoint, requeue and exit 75; a start resumes from the newest complete checkpoint. Everything a resume needs
+(model, optimizer, schedule, every rank's RNG, step) is in `SFTState`, and the data position (epoch, index) is in
+the checkpoint's trainer.json beside it, so a resumed run ends with the same losses and weights as one that never
+stopped. The phase guard (diag/guard.py) wraps every phase: start, data, train, checkpoint, export.
 """
 
 from __future__ import annotations
@@ -51,7 +50,7 @@ from rlslurm.config import JobConfig, load_config
 from rlslurm.data.layout import DataError, RowError
 from rlslurm.data.sampler import Sampler
 from rlslurm.data.splits import load_splits
-from rlslurm.data.table import SampleTable
+from rlslurm.data.table import BadRows, SampleTable
 from rlslurm.data.tokens import IGNORE, encode, fit, job_tokenizer
 from rlslurm.diag.drain_gate import DrainGate, agreed_reason
 from rlslurm.diag.guard import PhaseGuard
@@ -271,6 +270,7 @@ def _train(job: JobConfig, run: RunDir, topo: Topology, gate: DrainGate, guard: 
             raise ConfigError(f"model.max_positions = {job.model.max_positions} is shorter than a prompt plus "
                               f"rollout.max_new_tokens = {job.rollout.max_new_tokens} ({longest} tokens)")
     sampler = Sampler(len(train_rows), train.seed)
+    bad_rows = BadRows(job.data.max_bad_share)  # rows drawn, rows skipped as bad: past the share the job stops
     torch.manual_seed(train.seed + topo.rank)
     state = build_state(job, topo)
     path, proceed = lifecycle.agree_on_start(run, is_main=topo.is_main,
@@ -281,10 +281,11 @@ def _train(job: JobConfig, run: RunDir, topo: Topology, gate: DrainGate, guard: 
     if path:
         ckpt = Checkpoint.open(Path(path), verify=False)  # rank 0 verified it in latest_complete
         state.load(ckpt, topo)
-        saved = ckpt.load_json("trainer").get("data")
+        saved = ckpt.load_json("trainer").get("data") or {}
         try:
             # A checkpoint from before the data layer: each step took train.batch_size positions.
             position = sampler.position(saved) if saved else state.step * train.batch_size
+            bad_rows.drawn, bad_rows.bad = int(saved.get("drawn", 0)), int(saved.get("bad", 0))
         except ValueError as e:
             raise CheckpointError(f"{ckpt.path}: {e}; resume with the data and train.seed it was written "
                                   "with") from None
@@ -299,7 +300,8 @@ def _train(job: JobConfig, run: RunDir, topo: Topology, gate: DrainGate, guard: 
         if last_saved != state.step:
             with guard.phase("checkpoint", step=state.step):
                 policy.observe_save(state.step, state.save(run, topo, job.checkpoint.keep,
-                                                           trainer={"data": sampler.state(position)}))
+                                                           trainer={"data": {**sampler.state(position),
+                                                                                    **bad_rows.state()}}))
             last_saved = state.step
         return step_dirname(state.step)
 
@@ -328,7 +330,7 @@ def _train(job: JobConfig, run: RunDir, topo: Topology, gate: DrainGate, guard: 
         t0 = time.perf_counter()
         with guard.phase("data", step=state.step + 1):
             idx = sampler.indices(position + topo.rank, train.batch_size - topo.rank, topo.world_size)
-            batch, skipped = _batch(job, run, tokenizer, train_rows, idx, state.step + 1, topo.rank)
+            batch, skipped = _batch(job, run, tokenizer, train_rows, idx, state.step + 1, topo.rank, bad_rows)
             position += train.batch_size
         lr = state.lr()
         with guard.phase("train", step=state.step + 1):
@@ -390,15 +392,18 @@ class StopAtTarget:
         return result.accuracy >= train.stop_at_accuracy
 
 
-def _batch(job: JobConfig, run: RunDir, tokenizer, rows: SampleTable, idx: list[int], step: int, rank: int):
+def _batch(job: JobConfig, run: RunDir, tokenizer, rows: SampleTable, idx: list[int], step: int, rank: int,
+           bad_rows: BadRows):
     """This rank's batch of rows `idx`, and what it skipped (rows over model.max_positions, dropped or cut
-    under data.too_long; rows that break the layout's rules), counted over every rank in the step's metrics."""
-    examples, too_long, truncated, bad, reason = [], 0, 0, 0, None
+    under data.too_long; rows that break the layout's rules: counted in `bad_rows`, BadRowShareError past
+    data.max_bad_share on every rank at once), counted over every rank in the step's metrics."""
+    examples, too_long, truncated, bad, reason, bad_reason = [], 0, 0, 0, None, None
     for i in idx:
         sample = rows.try_sample(i)
         if isinstance(sample, RowError):
             bad += 1
-            reason = reason or f"{rows.source}: row {rows.file_row(i)}, column {sample.column!r}: {sample.message}"
+            bad_reason = f"{rows.source}: row {rows.file_row(i)}, column {sample.column!r}: {sample.message}"
+            reason = reason or bad_reason
             continue
         example = encode(tokenizer, sample)
         kept = fit(example, job.model.max_positions, job.data.too_long)
@@ -414,6 +419,7 @@ def _batch(job: JobConfig, run: RunDir, tokenizer, rows: SampleTable, idx: list[
                           device=compute_device())
     dist.all_reduce(counts, op=dist.ReduceOp.SUM)
     too_long, truncated, bad, empty = (int(c) for c in counts)
+    bad_rows.add(job.train.batch_size, bad, bad_reason or ("a row of a peer rank's share" if bad else None))
     if empty:
         raise DataError(f"step {step}: every training row of a rank's batch was left out ({reason or 'on a peer'}); "
                         "check the rows with `rlslurm validate`, or set data.too_long = truncate")

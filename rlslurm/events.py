@@ -112,11 +112,12 @@ NO_PROGRESS = declare("no_progress", "starts in a row resumed from one step: the
 FIRST_STEP = declare("first_step", "the first step of this start is trained (requeue -> training again ends here)",
                      by=("rlslurm/rl/loop.py", "jobs/toytrain.py"), required=("step", "since_process_start_s"),
                      optional=("policy_version", "device"))
-EVAL = declare("eval", "held-out accuracy of the starting policy (later ones are in metrics.jsonl)",
-               by="rlslurm/rl/loop.py", required=("step", "held_out_accuracy"))
+EVAL = declare("eval", "held-out evaluation of the starting policy (later ones are in metrics.jsonl): accuracy = "
+               "pass rate, mean reward, rows scored", by="rlslurm/rl/loop.py", required=("step", "held_out_accuracy"),
+               optional=("eval_reward_mean", "eval_pass_rate", "eval_rows"))
 DONE = declare("done", "the RL or toy job trained every step (and exported)",
                by=("rlslurm/rl/loop.py", "jobs/toytrain.py"), required=("step",),
-               optional=("policy_version", "held_out_accuracy", "weights_sha256"))
+               optional=("policy_version", "held_out_accuracy", "eval_reward_mean", "eval_pass_rate", "weights_sha256"))
 SFT_START = declare("sft_start", "an SFT trainer rank started training", by="jobs/sft.py",
                     required=("world_size", "steps", "start_step", "params", "device"), optional=("backend",),
                     informational=True)
@@ -125,10 +126,11 @@ SFT_EXPORT = declare("sft_export", "the SFT job wrote its HF export", by="jobs/s
 SFT_FINISHED = declare("sft_finished", "an SFT trainer rank trained to its end: train.steps, or the dev-split target "
                        "train.stop_at_accuracy (`stopped_by`; rank 0: exported and evaluated)",
                        by="jobs/sft.py", required=("step", "weights_sha256", "stopped_by"), open_fields=True)
-DATA_ROWS_SKIPPED = declare("data_rows_skipped", "an SFT step left out training rows: longer than "
+DATA_ROWS_SKIPPED = declare("data_rows_skipped", "an SFT or RL step left out training rows: longer than "
                             "model.max_positions (data.too_long = drop) or cut to it (truncate), or a row that broke "
-                            "the data layout's rules",
-                            by="jobs/sft.py", required=("step", "too_long", "truncated", "bad_rows"),
+                            "the data layout's rules (past data.max_bad_share of the rows drawn the job stops)",
+                            by=("jobs/sft.py", "rlslurm/rl/controller.py"),
+                            required=("step", "too_long", "truncated", "bad_rows"),
                             optional=("first_reason",), informational=True)
 FINISHED = (DONE, SFT_FINISHED)
 """The kinds a job emits when it trained to the end."""

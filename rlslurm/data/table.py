@@ -3,6 +3,12 @@
     table = SampleTable(ds, layout, "data.train = train.jsonl", need=frozenset({"completion"}))
     len(table); table.sample(i)            # DataError naming file, row and column
     table.try_sample(i)                    # Sample, or the RowError (the run-time skip-and-count path)
+    BadRows(job.data.max_bad_share).add(drawn=16, bad=1, last="...")   # BadRowShareError past the share
+
+`rlslurm validate` reads the first data.check_rows rows of a file, so a bad row further on is found only when
+a step draws it: one is skipped (a step does not fail for it); many mean the file is not what the job thinks it
+is, and training on what is left would hide that, so past data.max_bad_share of the rows drawn so far the job
+stops with BadRowShareError, naming the file, row and column of the last one.
 """
 
 from __future__ import annotations
@@ -54,3 +60,32 @@ def row_error(source: str, row: int, e: RowError, line: int | None = None) -> Da
     the line of a .jsonl or .json file where known), column, what is wrong."""
     where = f"row {row}" + (f" (line {line})" if line is not None else "")
     return DataError(f"{source}: {where}, column {e.column!r}: {e.message}")
+
+
+class BadRowShareError(DataError):
+    """More of the rows drawn at run time broke the data layout's rules than data.max_bad_share allows."""
+
+
+@dataclass
+class BadRows:
+    """The run's count of rows drawn and rows skipped as bad (saved in checkpoints: a resumed run goes on
+    counting from there)."""
+
+    max_share: float
+    drawn: int = 0
+    bad: int = 0
+    last: str | None = None
+    """The last bad row: file, row and column, what is wrong (rlslurm/data/table.py's row_error)."""
+
+    def add(self, drawn: int, bad: int, last: str | None = None) -> None:
+        """Count `drawn` rows of which `bad` were skipped; BadRowShareError once bad / drawn > max_share."""
+        self.drawn, self.bad = self.drawn + drawn, self.bad + bad
+        self.last = last or self.last
+        if self.bad > self.max_share * self.drawn:
+            raise BadRowShareError(
+                f"{self.bad} of the {self.drawn} training rows drawn so far broke the data layout's rules, past "
+                f"data.max_bad_share = {self.max_share:g}; the last: {self.last} (fix the rows: `rlslurm validate "
+                f"--set data.check_rows=N` reads N of them; or raise data.max_bad_share to skip them)")
+
+    def state(self) -> dict:
+        return {"drawn": self.drawn, "bad": self.bad}

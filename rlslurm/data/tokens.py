@@ -33,15 +33,38 @@ def job_tokenizer(job):
     return build_tokenizer(chat=job.data.train is not None)
 
 
+def chat_template(tokenizer) -> str:
+    """The template a chat prompt is rendered with: the tokenizer's own, or the embedded model's CHAT_TEMPLATE
+    (an exported embedded model's tokenizer files carry none: the arithmetic task needs none)."""
+    from rlslurm.tokenizer import CHAT_TEMPLATE, is_embedded
+
+    template = getattr(tokenizer, "chat_template", None) or (CHAT_TEMPLATE if is_embedded(tokenizer) else None)
+    if not template:
+        raise ConfigError("the data holds chat messages, but the model's tokenizer has no chat template; use "
+                          "text prompts (data.layout = trl_prompt_completion) or a model with a chat template")
+    return template
+
+
 def prompt_ids(tokenizer, sample: Sample) -> list[int]:
     """Token ids of the prompt as the model is given it (a chat prompt with the assistant's turn opened)."""
     if sample.is_chat:
-        if not getattr(tokenizer, "chat_template", None):
-            raise ConfigError("the data holds chat messages, but the model's tokenizer has no chat template; use "
-                              "text prompts (data.layout = trl_prompt_completion) or a model with a chat template")
-        return list(tokenizer.apply_chat_template(sample.prompt, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False))
+        return list(tokenizer.apply_chat_template(sample.prompt, chat_template=chat_template(tokenizer),
+                                                  add_generation_prompt=True, tokenize=True, return_dict=False))
     return list(tokenizer(sample.prompt)["input_ids"])
+
+
+def prompt_text(tokenizer, prompt) -> str:
+    """The text a rollout engine is sent for a row's prompt (text as is; messages through the chat template),
+    such that the engine's encoding of it, tokenizer(text) with its special tokens, is `prompt_ids`: a template
+    that writes the BOS itself (the embedded one) would get a second one from the encoding, so it is cut."""
+    if isinstance(prompt, str):
+        return prompt
+    text = tokenizer.apply_chat_template(prompt, chat_template=chat_template(tokenizer), add_generation_prompt=True,
+                                         tokenize=False)
+    bos = tokenizer.bos_token
+    if bos and text.startswith(bos) and tokenizer("")["input_ids"][:1] == [tokenizer.bos_token_id]:
+        text = text[len(bos):]
+    return text
 
 
 def encode(tokenizer, sample: Sample) -> tuple[list[int], list[int]]:

@@ -4,9 +4,10 @@
     step, version, rl_state, proceed = resume_point(job, run, topo, policy)
 
 A checkpoint holds the model (HF names, safetensors), the optimizer (a sharded one as one file per
-rank, each in the manifest), every rank's RNG and the RL state (step = data position, policy version,
-eval history, experience made ahead). rlslurm/checkpoint.py makes it atomic: temp dir, fsync, manifest
-with sizes and checksums, rename; resume takes the newest complete one (rlslurm/lifecycle.py).
+rank, each in the manifest), every rank's RNG and the RL state (step, policy version, the data position
+as epoch and index (rlslurm/rl/draw.py), eval history, experience made ahead). rlslurm/checkpoint.py makes
+it atomic: temp dir, fsync, manifest with sizes and checksums, rename; resume takes the newest complete
+one (rlslurm/lifecycle.py).
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ def save(run: RunDir, job: JobConfig, topo: Topology, policy: RLPolicy, step: in
             ckpt.save_tensors("model", {k: v.contiguous() for k, v in policy.weights().items()})
             ckpt.save_state("optimizer", policy.optimizer.state_dict())
             ckpt.save_state("rng", rngs)
-            ckpt.save_json("rl_state", {**rl_state, "step": step, "policy_version": version,
-                                        "data_position": step})
+            # rl_state["data"]: the data position (epoch, index) the controller set for this step
+            ckpt.save_json("rl_state", {**rl_state, "step": step, "policy_version": version})
     if ckpt is not None:
         seconds = [ckpt.saved.seconds]
     dist.broadcast_object_list(seconds, src=0)

@@ -23,6 +23,9 @@ class RLConfig:
     eval_every: int = 5
     """Steps between two greedy held-out evaluations of the served policy (also at the start and the end).
     Range [1, 1e8]."""
+    eval_rows: int = 1000
+    """Held-out rows each evaluation decodes greedily and scores (the first ones of data.eval, or of the task's
+    held-out split): a bound on its time however large the split. Range [1, 1000000]."""
     mini_batches: int = 1
     """Optimizer steps per RL step: the step's samples are cut into this many mini-batches, each one clipped
     update; the behaviour log-probs are taken once, before the first (verl's ppo_mini_batch_size = the step's
@@ -37,4 +40,5 @@ class RLConfig:
         check_range(self.kl_coef, "kl_coef", 0, 100)
         check_range(self.max_staleness, "max_staleness", 0, 100, note="policy versions")
         check_range(self.eval_every, "eval_every", 1, 10**8, note="steps")
+        check_range(self.eval_rows, "eval_rows", 1, 1_000_000, note="rows")
         check_range(self.mini_batches, "mini_batches", 1, 1024, note="optimizer steps per RL step")

@@ -10,6 +10,11 @@ It owns the engines (rlslurm/rl/engines.py), the weight-sync protocol and its tr
 (rlslurm/sync/), the reward session (rlslurm/reward/session.py: `reward.service` inline, local or
 component) and the experience pipeline (rlslurm/rl/pipeline.py). Samples carry the policy version that
 produced them.
+
+Prompts are rows of the job's train split (rlslurm/data/splits.py: its data: files, or task:'s generated
+arithmetic, one code path), drawn by rlslurm/rl/draw.py's PromptStream; a row's reward item is
+rlslurm/reward/items.py's item_for (the arithmetic task keeps its exact rule, so the embedded demo is
+unchanged).
 """
 
 from __future__ import annotations
@@ -17,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import random
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
@@ -26,15 +30,20 @@ import torch
 
 from rlslurm import events
 from rlslurm.config import JobConfig
+from rlslurm.data.layout import RowError
+from rlslurm.data.sample import Sample
+from rlslurm.data.splits import load_splits
 from rlslurm.diag.env_diff import compare, read_fingerprints
 from rlslurm.diag.guard import PhaseGuard
 from rlslurm.layout import JobLayout
 from rlslurm.reward.config import RewardConfig
+from rlslurm.reward.items import item_for
+from rlslurm.rl.draw import PromptStream, StepPrompts
 from rlslurm.rl.engines import Engines
 from rlslurm.rl.experience import Experience, GroupAssembler, choice_id
 from rlslurm.rl.pipeline import THREADED_ENV, ExperiencePipeline, stamp_staleness
 from rlslurm.rundir import RunDir
-from rlslurm.tasks.arithmetic import ANSWER_FORMAT, Problem, make_splits
+from rlslurm.tasks.arithmetic import ANSWER_FORMAT, parse_prompt
 from rlslurm.tasks.prompts import PromptFormat
 
 log = logging.getLogger(__name__)
@@ -50,9 +59,10 @@ def sync_host() -> str:
 
 
 def reward_config(job: JobConfig) -> RewardConfig:
-    """job.reward as the service must score this task: the rule scorer also checks the task's one answer
-    form (ANSWER_FORMAT), unless reward.format_regex names another, so it scores as `score` does."""
-    if job.reward.scorer == "rule" and job.reward.format_regex is None:
+    """job.reward as the service must score this job: for the arithmetic task the rule scorer also checks the
+    task's one answer form (ANSWER_FORMAT), unless reward.format_regex names another, so it scores as `score`
+    does; a user's rows are scored as configured."""
+    if job.reward.scorer == "rule" and job.reward.format_regex is None and job.data.train is None:
         return dataclasses.replace(job.reward, format_regex=ANSWER_FORMAT)
     return job.reward
 
@@ -84,22 +94,31 @@ class Controller:
         from rlslurm.sync.protocol import WeightSync, transport_for
 
         self.job, self.run, self.tokenizer = job, run, tokenizer
-        # task.prompt_style / task.answer: the text an engine is sent for a task prompt, the rule it is scored by
-        self.format = PromptFormat(job.task, tokenizer, model_dir=model_dir)
-        self.train_set, self.held_out = make_splits(job.task)
+        self.data = job.data.train is not None
+        """A user's rows (data.train): scored by reward.scorer; else the task's, by the task's exact rule."""
+        # The text an engine is sent for a prompt (task.prompt_style, or a row's text / messages), and the
+        # task's rule (task.answer)
+        self.format = PromptFormat(job.task, tokenizer, model_dir=model_dir, data=self.data)
+        self.train_set, self.held_out = load_splits(job)
+        self.stream = PromptStream(self.train_set, per_step=job.rl.prompts_per_step, seed=job.train.seed,
+                                   max_bad_share=job.data.max_bad_share)
         # Placement, engines and sync method as the plan decided them at submit, never re-derived here.
         self.layout = JobLayout.read(run)
         self.engines = Engines(job, self.layout, run, model_dir)
         self.transport = transport_for(self.layout.sync_method, job.sync, weights_dir=run.path / "weights",
                                        host=sync_host())
         self.sync = WeightSync(self.engines.clients, self.transport, job.sync, run=run)
-        self.rewards = None
+        self.rewards = self.inline = None
         self.pipeline: ExperiencePipeline | None = None  # from the first step on (start_experience)
         self.current_weights = None
         """Rank 0's policy weights now (the loop sets it: Policy.weights): what a lone engine's replacement is
         synced to in the middle of a rollout (`_bring_back`)."""
         try:
             self.rewards = open_reward_session(job, self.layout, run)
+            if self.rewards is None and self.data:
+                from rlslurm.rl.scoring import InlineScorer
+
+                self.inline = InlineScorer(reward_config(job))
         except BaseException:
             self.close()  # the engines it spawned must not outlive a controller that never started
             raise
@@ -110,6 +129,8 @@ class Controller:
             pipeline.stop()  # first: the engines and the reward service go away below
         if getattr(self, "rewards", None) is not None:
             self.rewards.close()
+        if getattr(self, "inline", None) is not None:
+            self.inline.close()
         self.transport.close()
         self.engines.stop()
         if pipeline is not None:
@@ -122,12 +143,16 @@ class Controller:
             events.emit(self.run, events.ENV_DIFF, report=diff.render(), ok=diff.ok)
         diff.raise_errors()
 
-    def prompts(self, step: int) -> list[Problem]:
-        """The step's prompts: a function of (seed, step) alone, so a resumed job draws the same ones."""
-        rng = random.Random(self.job.train.seed * 1_000_003 + step)
-        return rng.sample(self.train_set, self.job.rl.prompts_per_step)
+    def prompts(self, step: int) -> StepPrompts:
+        """The step's prompts: a function of (train.seed, the data position, step) alone, so a resumed job
+        draws the same ones (rlslurm/rl/draw.py)."""
+        return self.stream.draw(step)
 
-    def rollout(self, problems: list[Problem], step: int, guard: PhaseGuard,
+    def data_state(self, step: int) -> dict:
+        """The data position at boundary `step`, for the RL state of a checkpoint there."""
+        return self.stream.state(step)
+
+    def rollout(self, problems: list[Sample], step: int, guard: PhaseGuard,
                 on_choices=None, stats: dict | None = None) -> tuple[list[dict], list[float]]:
         """k samples per prompt from the engines in rotation, all asked at once (a step's rollout takes the
         slowest engine's time, not their sum); prompts split across engines in a fixed order. `on_choices(batch)`
@@ -213,14 +238,25 @@ class Controller:
         self.sync_engines(self.current_weights(), step=step, version=version)
         return bool(self.engines.admitted())
 
-    def reward_item(self, problems: list[Problem], choice: dict):
-        """One response as the reward service scores it: normalised text (task.answer = lenient: the integer
-        it states) against the task's answer."""
+    def reward_item(self, problems: list[Sample], choice: dict):
+        """One response as the reward service scores it: a user's row through item_for (its reference, tests,
+        data_source, extra columns); a task prompt as normalised text (task.answer = lenient: the integer it
+        states) against the task's answer."""
         from rlslurm.reward.scorers import Item
 
-        problem = problems[choice["prompt_index"]]
-        return Item(id=choice_id(choice), response=self.format.answer_text(choice["text"]), prompt=problem.prompt,
-                    reference=problem.target)
+        sample = problems[choice["prompt_index"]]
+        if self.data:
+            return item_for(sample, choice["text"], choice_id(choice))
+        return Item(id=choice_id(choice), response=self.format.answer_text(choice["text"]), prompt=sample.prompt,
+                    reference=sample.reference)
+
+    def score_inline(self, problems: list[Sample], batch: list[dict]) -> dict[str, float | None]:
+        """reward.service = inline: a user's rows by the configured scorer in this process, task prompts by
+        the task's exact rule."""
+        if self.data:
+            return self.inline.score([self.reward_item(problems, c) for c in batch])
+        return {choice_id(c): self.format.score(parse_prompt(problems[c["prompt_index"]].prompt), c["text"])
+                for c in batch}
 
     # -- one step's experience: made here (synchronous) or ahead by the pipeline (rlslurm/rl/pipeline.py) --
 
@@ -322,7 +358,8 @@ class Controller:
         rule right here, or the service's requests meanwhile) and a prompt's group gets its advantages as
         soon as its last reward lands (GroupAssembler); `_finish_step` waits for what is still open."""
         with guard.phase("data", step=step):
-            problems = self.prompts(step)
+            drawn = self.prompts(step)
+        problems = drawn.samples
         assembler = GroupAssembler(problems, self.job.rl.samples_per_prompt,
                                    self.format.encode)
         scoring = self.rewards.begin(step) if self.rewards is not None else None
@@ -330,8 +367,7 @@ class Controller:
         def arrived(batch: list[dict]) -> None:
             assembler.add_choices(batch)
             if scoring is None:
-                assembler.add_rewards({choice_id(c): self.format.score(problems[c["prompt_index"]], c["text"])
-                                       for c in batch})
+                assembler.add_rewards(self.score_inline(problems, batch))
             else:
                 scoring.submit([self.reward_item(problems, c) for c in batch],
                                on_outcomes=lambda outcomes: assembler.add_rewards({o.id: o.score for o in outcomes}))
@@ -339,7 +375,7 @@ class Controller:
         t, failover = time.monotonic(), {}
         with guard.phase("rollout", step=step):
             choices, engine_s = self.rollout(problems, step, guard, on_choices=arrived, stats=failover)
-        return {"step": step, "choices": choices, "assembler": assembler, "scoring": scoring,
+        return {"step": step, "choices": choices, "assembler": assembler, "scoring": scoring, "drawn": drawn,
                 "rollout_s": time.monotonic() - t, "rollout_engine_s": engine_s, **failover}
 
     def _finish_step(self, flight: dict, guard) -> Experience:
@@ -365,15 +401,28 @@ class Controller:
                  "reward_mean": sum(scored) / max(len(scored), 1), "samples": len(choices),
                  "effective_samples": len(samples), "zero_variance_groups": dropped, "generated_tokens": tokens,
                  "tokens_per_s": tokens / max(flight["rollout_s"], 1e-9), **reward_stats,
-                 "prompts_resent": flight.get("prompts_resent", 0), **self.engines.metrics()}
+                 "prompts_resent": flight.get("prompts_resent", 0), **self.engines.metrics(),
+                 **self._data_stats(step, flight["drawn"])}
         return Experience(samples, stats, versions)
 
-    def evaluate(self) -> float:
-        """Greedy held-out accuracy of the policy the engines serve now: asked of the first engine in rotation;
-        one that fails is taken out and the next one asked (none left: the last error fails the job)."""
+    def _data_stats(self, step: int, drawn: StepPrompts) -> dict:
+        """Where the step's prompts came from: its first data position, their rows, the bad rows skipped."""
+        epoch, index = self.stream.sampler.split(drawn.position)
+        if drawn.bad:
+            events.emit(self.run, events.DATA_ROWS_SKIPPED, role="controller", step=step, too_long=0, truncated=0,
+                        bad_rows=drawn.bad, first_reason=drawn.first_reason)
+        return {"data_epoch": epoch, "data_index": index, "data_rows": drawn.rows, "data_bad_rows": drawn.bad}
+
+    def evaluate(self, step: int) -> dict:
+        """Greedy decoding of the first rl.eval_rows held-out rows by the policy the engines serve now, scored
+        by the task's exact rule or, for a user's rows, by the configured reward: {held_out_accuracy (the pass
+        rate), eval_reward_mean, eval_pass_rate (full marks: reward >= 1), eval_rows}. Asked of the first engine
+        in rotation; one that fails is taken out and the next one asked (none left: the last error fails the job)."""
         from rlslurm.rollout.client import EngineRequestError
 
-        prompts = [self.format.text(p.prompt) for p in self.held_out]
+        rows = [self.held_out.try_sample(i) for i in range(min(len(self.held_out), self.job.rl.eval_rows))]
+        samples = [s for s in rows if not isinstance(s, RowError)]  # validate names them; evaluation skips them
+        prompts = [self.format.text(s.prompt) for s in samples]
         while True:
             i = self.engines.admitted()[0]
             try:
@@ -385,5 +434,19 @@ class Controller:
                 self.engines.take_out(i, e, resent=len(prompts))
                 if not self.engines.admitted():
                     raise
-        correct = sum(self.format.score(p, c["text"]) for p, c in zip(self.held_out, out["choices"]))
-        return correct / len(self.held_out)
+        texts = [c["text"] for c in out["choices"]]
+        if self.data:
+            items = [item_for(s, t, f"eval:{n}") for n, (s, t) in enumerate(zip(samples, texts))]
+            if self.inline is not None:
+                scored = self.inline.score(items)
+                scores = [scored[item.id] for item in items]
+            else:
+                scoring = self.rewards.begin(step)
+                scoring.submit(items)
+                scores = [o.score for o in scoring.finish()[0]]
+        else:
+            scores = [self.format.score(parse_prompt(s.prompt), t) for s, t in zip(samples, texts)]
+        kept = [x for x in scores if x is not None] or [0.0]
+        passed = sum(x is not None and x >= 1.0 for x in scores) / max(len(scores), 1)
+        return {"held_out_accuracy": passed, "eval_reward_mean": sum(kept) / len(kept), "eval_pass_rate": passed,
+                "eval_rows": len(samples)}

@@ -1,6 +1,6 @@
 """GRPO experience: samples, group advantages, and the assembler that builds them as rewards stream in.
 
-    assembler = GroupAssembler(problems, k=8, encode=lambda text: tokenizer(text)["input_ids"])
+    assembler = GroupAssembler(samples, k=8, encode=fmt.encode)   # the ids of the text the engine was sent
     assembler.add_choices(batch)            # an engine's responses, as they arrive (rollout thread)
     assembler.add_rewards({id: score})      # scores, as the reward service returns them (any thread)
     samples, dropped = assembler.samples()  # prompt order: what build_samples gives for the whole step
@@ -20,12 +20,19 @@ import dataclasses
 import math
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable, Protocol
 
 from rlslurm.errors import RlslurmError
-from rlslurm.tasks.arithmetic import Problem
 
-Encode = Callable[[str], list[int]]
+Encode = Callable[[Any], list[int]]
+"""A prompt (text, or a data row's messages) -> the token ids of the text the engine was sent for it."""
+
+
+class Problem(Protocol):
+    """What a group is made for: a data row (rlslurm/data/sample.py) or a task problem; only `prompt` is read."""
+
+    @property
+    def prompt(self) -> Any: ...
 
 
 @dataclass

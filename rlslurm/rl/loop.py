@@ -184,13 +184,16 @@ class Loop:
         if controller is None:
             return
         controller.current_weights = self.policy.weights  # a lone engine's replacement is synced to them mid-step
+        with self.guard.phase("data", step=self.step):  # first: a checkpoint of other data fails the start here
+            controller.stream.resume(self.step, self.rl_state.get("data"))
         with self.guard.phase("sync", step=self.step):
             controller.check_env()
             controller.sync_engines(self.policy.weights(), version=self.version, step=self.step)
         if "eval_history" not in self.rl_state:
-            self.rl_state["eval_history"] = [[self.step, controller.evaluate()]]
-            events.emit(self.run_dir, events.EVAL, step=self.step,
-                        held_out_accuracy=self.rl_state["eval_history"][-1][1])
+            result = controller.evaluate(self.step)
+            self.rl_state["eval_history"] = [[self.step, result["held_out_accuracy"]]]
+            self.rl_state["last_eval"] = result
+            events.emit(self.run_dir, events.EVAL, step=self.step, **result)
         # rl.max_staleness > 0: from here on the next steps' rollouts run while this one trains.
         controller.start_experience(self.step, self.version, self.rl_state)
 
@@ -263,9 +266,10 @@ class Loop:
         record = step_record(exp, stats, train_s, sync_metrics, sync_s, step_s=time.monotonic() - started,
                              step=step, version=self.version)
         if (step % job.rl.eval_every == 0 or step == job.train.steps) and "sync_skipped" not in sync_metrics:
-            acc = self.controller.evaluate()
-            record["held_out_accuracy"] = acc
-            self.rl_state.setdefault("eval_history", []).append([step, acc])
+            result = self.controller.evaluate(step)
+            record.update(result)
+            self.rl_state.setdefault("eval_history", []).append([step, result["held_out_accuracy"]])
+            self.rl_state["last_eval"] = result
         self.metrics.append(record)
         if first_step:  # requeue -> training again is measured up to here
             since = time.time() - psutil.Process().create_time()
@@ -278,6 +282,8 @@ class Loop:
 
     def _save(self) -> float:
         """Collective: a checkpoint at this step boundary; its cost in seconds."""
+        if self.controller is not None:  # the next row step `step` draws: a resume goes on there
+            self.rl_state["data"] = self.controller.data_state(self.step)
         seconds = save(self.run_dir, self.job, self.topo, self.policy, self.step, self.version, self.rl_state)
         self.last_saved = self.step
         return seconds
@@ -315,7 +321,9 @@ class Loop:
             save_hf(self.policy.model, self.run_dir.path / "export" / "hf",
                     max_new_tokens=self.job.rollout.max_new_tokens, tokenizer=self.policy.tokenizer)
             events.emit(self.run_dir, events.DONE, step=self.step, policy_version=self.version,
-                        held_out_accuracy=self.rl_state.get("eval_history", [[0, None]])[-1][1])
+                        held_out_accuracy=self.rl_state.get("eval_history", [[0, None]])[-1][1],
+                        **{k: v for k, v in self.rl_state.get("last_eval", {}).items()
+                           if k in ("eval_reward_mean", "eval_pass_rate")})
 
 
 def step_record(exp: Experience, stats: dict, train_s: float, sync_metrics: dict, sync_s: float, *,

@@ -6,6 +6,8 @@
                            # ("<|im_start|>user\\nWhat is 12 + 7? ...<|im_end|>\\n<|im_start|>assistant\\n")
     fmt.encode("12+7=")    # its token ids, as the trainer scores them (the engine encodes the same text alike)
     fmt.score(problem, response), fmt.answer_text(response)
+    PromptFormat(job.task, tokenizer, data=True).text(messages)   # a user's row: text as is, messages through
+                                                                  # the model's chat template (data/tokens.py)
 
 The RL controller keeps task prompts ("12+7=") everywhere (data, reward items, logs) and asks this class
 only at the two edges: the text an engine generates from, and the rule a response is scored by. The
@@ -20,6 +22,7 @@ tokenizer maps them to their single ids on both sides.
 
 from __future__ import annotations
 
+from rlslurm.data.tokens import prompt_text
 from rlslurm.errors import ConfigError
 from rlslurm.tasks.arithmetic import Problem, answer_text, parse_prompt, score
 from rlslurm.tasks.config import TaskConfig
@@ -28,16 +31,20 @@ from rlslurm.tasks.config import TaskConfig
 class PromptFormat:
     """task.prompt_style and task.answer applied with one model's tokenizer."""
 
-    def __init__(self, task: TaskConfig, tokenizer, *, model_dir: object = None):
-        self.task, self.tokenizer = task, tokenizer
-        if task.prompt_style == "chat" and not getattr(tokenizer, "chat_template", None):
+    def __init__(self, task: TaskConfig, tokenizer, *, model_dir: object = None, data: bool = False):
+        # data: the prompts are a user's rows (data.train), not task prompts; task.prompt_style does not apply
+        self.task, self.tokenizer, self.data = task, tokenizer, data
+        if not data and task.prompt_style == "chat" and not getattr(tokenizer, "chat_template", None):
             raise ConfigError(f"task.prompt_style = chat, but the tokenizer of {model_dir or 'the model'} has no "
                               "chat template; use task.prompt_style = plain, or a model exported with one "
                               "(python -m rlslurm.models.smollm2 --out DIR)")
         self._texts: dict[str, str] = {}
 
-    def text(self, prompt: str) -> str:
-        """The text an engine generates from for task prompt `prompt` (cached: the template is Jinja)."""
+    def text(self, prompt) -> str:
+        """The text an engine generates from for task prompt `prompt` (cached: the template is Jinja), or for a
+        data row's prompt (text, or messages)."""
+        if self.data:
+            return prompt_text(self.tokenizer, prompt)
         if self.task.prompt_style == "plain":
             return prompt
         text = self._texts.get(prompt)
@@ -49,7 +56,7 @@ class PromptFormat:
             self._texts[prompt] = text
         return text
 
-    def encode(self, prompt: str) -> list[int]:
+    def encode(self, prompt) -> list[int]:
         """Token ids of `text(prompt)`, as an engine encodes it."""
         return list(self.tokenizer(self.text(prompt))["input_ids"])
 

@@ -6,6 +6,7 @@ position its checkpoint saved, as a run that never stopped."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -81,7 +82,7 @@ def test_a_resumed_run_continues_at_its_saved_data_position(runs, tmp_path):
     first = _submit("sft-jsonl.yaml", tmp_path, "train.steps=20")
     ckpt = latest_complete(first)
     assert ckpt.load_json("trainer")["data"] == {"epoch": 20 * 16 // 90, "index": 20 * 16 % 90, "rows": 90,
-                                                 "seed": 0}
+                                                 "seed": 0, "drawn": 20 * 16, "bad": 0}
     events_before = (first.path / "events.jsonl").read_text()
     refused = _cli("resume", str(first.path), "--set", "train.steps=40", "--set", "data.train=nope.jsonl")
     assert refused.returncode == 2 and "data.train = 'nope.jsonl': no such file or directory" in refused.stderr
@@ -91,3 +92,24 @@ def test_a_resumed_run_continues_at_its_saved_data_position(runs, tmp_path):
     losses, straight = _losses(first), _losses(runs["jsonl"])
     assert sorted(losses) == list(range(1, 41))
     assert losses == straight, "the resumed run drew other rows (or other weights) than the uninterrupted one"
+
+
+def test_bad_rows_are_counted_and_past_the_share_the_run_stops_naming_the_last(tmp_path):
+    # rows 8, 12, ... lose their completion: past data.check_rows = 5, so only a step finds them
+    rows = [json.loads(line) for line in (ROOT / "examples" / "data" / "mul-prompt-completion.jsonl").open()]
+    for i in range(8, len(rows), 4):
+        rows[i]["completion"] = None
+    data = tmp_path / "bad.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    counted = _submit("sft-jsonl.yaml", tmp_path, f"data.train={data}", "data.check_rows=5", "train.steps=6",
+                      "data.max_bad_share=1")
+    skipped = [r["rows_skipped"]["bad_rows"] for r in read_jsonl(counted.metrics) if "rows_skipped" in r]
+    assert skipped and all(n > 0 for n in skipped)
+    done = _cli("submit", str(ROOT / "examples" / "sft-jsonl.yaml"), "--backend", "local", "--run-root",
+                str(tmp_path), "--wait", "--set", f"data.train={data}", "--set", "data.check_rows=5", "--set",
+                "train.steps=6", "--set", "data.max_bad_share=0.05")
+    assert done.returncode != 0
+    stopped = RunDir(Path(re.search(r"run directory: (\S+)", done.stdout).group(1)))
+    errors = [e["error"] for e in read_events(stopped, "phase_failed")]
+    assert any("BadRowShareError" in e and "past data.max_bad_share = 0.05; the last: data.train = " in e
+               and "column 'completion'" in e for e in errors), errors

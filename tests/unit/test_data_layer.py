@@ -138,3 +138,5 @@ def test_data_keys_are_validated_once_and_named(tmp_path):
             _job(tmp_path, data)
     # GRPO on a user's rows is built: job.kind = rl takes data.train as sft does
     assert _job(tmp_path, {"train": "t.jsonl", "eval_fraction": 0.1}, kind="rl").data.train == "t.jsonl"
+    with pytest.raises(ConfigError, match=r"data\.max_bad_share = 1\.5 must be <= 1"):
+        _job(tmp_path, {"train": "t.jsonl", "eval_fraction": 0.1, "max_bad_share": 1.5})
