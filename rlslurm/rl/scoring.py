@@ -18,7 +18,7 @@ import threading
 
 from rlslurm.errors import RewardServiceError
 from rlslurm.reward.config import RewardConfig
-from rlslurm.reward.scorers import Item, make_scorer
+from rlslurm.reward.scorers import Item, close_scorer, make_scorer, score_bounded
 
 log = logging.getLogger(__name__)
 
@@ -35,24 +35,29 @@ class InlineScorer:
         self._lock = threading.Lock()
 
     def score(self, items: list[Item]) -> dict[str, float | None]:
-        """Every item's reward; one the scorer fails on is degraded as reward.degrade says (as the service's)."""
+        """Every item's reward within reward.timeout_s (score_bounded: the service's own rules, a hung user
+        function's worker killed); one the scorer could not score is degraded as reward.degrade says."""
         async def every():
-            return await asyncio.gather(*(self.scorer.score(item) for item in items), return_exceptions=True)
+            return await asyncio.gather(*(score_bounded(self.scorer, item, self.cfg.timeout_s) for item in items))
 
         with self._lock:
-            results = self.loop.run_until_complete(every())
+            verdicts = self.loop.run_until_complete(every())
         scores: dict[str, float | None] = {}
-        for item, got in zip(items, results):
-            if isinstance(got, BaseException):
-                if self.cfg.degrade == "fail":
-                    raise RewardServiceError(f"reward.scorer = {self.cfg.scorer!r} failed on response {item.id} and "
-                                             f"reward.degrade = fail: {got!r}") from got
-                log.warning("scorer failed on response %s (degraded: %s): %r", item.id, self.cfg.degrade, got)
-                scores[item.id] = self.cfg.neutral_score if self.cfg.degrade == "neutral" else None
-            else:
-                scores[item.id] = got.score
+        for item, verdict in zip(items, verdicts):
+            if verdict.status == "scored":
+                scores[item.id] = verdict.score
+                continue
+            if self.cfg.degrade == "fail":
+                raise RewardServiceError(f"reward.scorer = {self.cfg.scorer!r} could not score response {item.id} "
+                                         f"({verdict.status}: {verdict.reason}) and reward.degrade = fail")
+            log.warning("response %s %s (degraded: %s): %s", item.id, verdict.status, self.cfg.degrade, verdict.reason)
+            scores[item.id] = self.cfg.neutral_score if self.cfg.degrade == "neutral" else None
         return scores
 
     def close(self) -> None:
+        """Stop the scorer's sandbox and worker processes, then the loop."""
         with self._lock:
-            self.loop.close()
+            try:
+                self.loop.run_until_complete(close_scorer(self.scorer))
+            finally:
+                self.loop.close()
