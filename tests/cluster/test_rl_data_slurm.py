@@ -7,8 +7,8 @@ start and a short SFT included).
 
     RLSLURM_SLURM_PORT_BASE=21817 python -m pytest -q -s tests/cluster/test_rl_data_slurm.py
 
-test_verl_het_job_with_its_compute_score_drains_and_resumes_NEEDS_FUNCTION_SCORER runs the example's own
-reward (`reward.scorer: function`, issue27r's): it passes once that branch is merged.
+test_verl_het_job_with_its_compute_score_drains_and_resumes runs the example's own reward (`reward.scorer:
+function`, its compute_score in the reward service's workers).
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def test_verl_het_job_drains_and_resumes_at_the_same_row(slurm_cluster, sft_expo
     print(f"\nMEASURE verl het job, drained at step {step} and resumed: {time.time() - started:.1f} s")
 
 
-def test_verl_het_job_with_its_compute_score_drains_and_resumes_NEEDS_FUNCTION_SCORER(slurm_cluster, sft_export,
+def test_verl_het_job_with_its_compute_score_drains_and_resumes(slurm_cluster, sft_export,
                                                                                        verl_data, tmp_path):
     config = verl_config(tmp_path / "verl-function.yaml", tmp_path / "runs", sft_export, verl_data,
                          {"scorer": "function", "service": "local", "batch_size": 32,

