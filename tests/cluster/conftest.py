@@ -22,8 +22,12 @@ from pathlib import Path
 
 import pytest
 
+from rlslurm import launch
+from rlslurm.config import load_config
 from rlslurm.errors import RlslurmError
 from rlslurm.slurm.localcluster import LocalCluster
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -72,6 +76,21 @@ def slurm_cluster():
             os.environ["SLURM_CONF"] = old
         cluster.down()
         shutil.rmtree(cluster.dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def sft_export(tmp_path_factory) -> Path:
+    """A short SFT of examples/tiny-sft.yaml (held-out accuracy ~0.05): some samples of a group are right
+    and some wrong, so GRPO has signal. Local backend: it is only the starting point. One for the session: the RL
+    het job tests (test_rl_slurm.py) and GRPO on the verl parquet (test_rl_data_slurm.py) start from it."""
+    path = ROOT / "examples" / "tiny-sft.yaml"
+    job = load_config(path, ["train.steps=400", "task.eval_size=200"])
+    sub = launch.submit(job, config_text=path.read_text(), backend="local",
+                        run_root=tmp_path_factory.mktemp("sft"))
+    assert [int(c) for c in launch.wait(sub, timeout_s=300, poll_s=0.5)] == [0, 0]
+    export = sub.run_dir / "export" / "hf"
+    assert (export / "config.json").is_file()
+    return export
 
 
 OUTLIVE_GRACE_S = 45.0

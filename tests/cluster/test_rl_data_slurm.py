@@ -2,19 +2,16 @@
 trainer on a `train` node, the engine on a `rollout` node; drained mid-run with `rlslurm drain`, requeued by
 itself, and resumed at the same next row: every step, before the drain and after it, trains on exactly the rows
 an uninterrupted run draws at that step (the stream is a function of train.seed and the step alone, so the
-expected rows are computed here from the data, no reference run needed). ~3 min on 2 shared cores (cluster
-start and a short SFT included).
+expected rows are computed here from the data, no reference run needed), scored by the example's own reward
+(`reward.scorer: function`: its verl-style compute_score in the reward service's workers). ~2 min on 2 shared
+cores (cluster start and the session's short SFT included). The rule scorer on data rows: test_rl_data.py.
 
     RLSLURM_SLURM_PORT_BASE=21817 python -m pytest -q -s tests/cluster/test_rl_data_slurm.py
-
-test_verl_het_job_with_its_compute_score_drains_and_resumes runs the example's own reward (`reward.scorer:
-function`, its compute_score in the reward service's workers).
 """
 
 from __future__ import annotations
 
 import importlib.util
-import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +19,6 @@ import yaml
 from click.testing import CliRunner
 
 import spine_util as su
-from rlslurm import launch
 from rlslurm.checkpoint import latest_complete
 from rlslurm.cli.main import cli
 from rlslurm.config import load_config
@@ -51,17 +47,6 @@ def verl_data(tmp_path_factory) -> tuple[Path, Path]:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.write_verl_parquet(tmp_path_factory.mktemp("verl-data"))
-
-
-@pytest.fixture(scope="module")
-def sft_export(tmp_path_factory) -> Path:
-    """A short SFT of examples/tiny-sft.yaml (local backend): the arithmetic the parquet holds, partly answered,
-    so rewards vary within a group and the steps train."""
-    path = ROOT / "examples" / "tiny-sft.yaml"
-    job = load_config(path, ["train.steps=400", "task.eval_size=200"])
-    sub = launch.submit(job, config_text=path.read_text(), backend="local", run_root=tmp_path_factory.mktemp("sft"))
-    assert [int(c) for c in launch.wait(sub, timeout_s=300, poll_s=0.5)] == [0, 0]
-    return sub.run_dir / "export" / "hf"
 
 
 def verl_config(path: Path, run_root: Path, init_from: Path, data: tuple[Path, Path], reward: dict) -> Path:
@@ -120,22 +105,11 @@ def assert_same_rows_as_uninterrupted(run: Path, drained_at: int) -> None:
     assert after == drained_at + 1 and by_step[after]["data_index"] == drained_at * 8 % 400
 
 
-def test_verl_het_job_drains_and_resumes_at_the_same_row(slurm_cluster, sft_export, verl_data, tmp_path):
-    # The rule scorer on reward_model.ground_truth, in the reward service beside the controller.
-    config = verl_config(tmp_path / "verl-rule.yaml", tmp_path / "runs", sft_export, verl_data,
-                         {"scorer": "rule", "service": "local", "batch_size": 32})
-    started = time.time()
-    run, step = drain_and_resume(slurm_cluster, config)
-    assert_same_rows_as_uninterrupted(run, step)
-    assert any(m["reward_mean"] > 0 for m in steps(run))
-    print(f"\nMEASURE verl het job, drained at step {step} and resumed: {time.time() - started:.1f} s")
-
-
-def test_verl_het_job_with_its_compute_score_drains_and_resumes(slurm_cluster, sft_export,
-                                                                                       verl_data, tmp_path):
+def test_verl_het_job_with_its_compute_score_drains_and_resumes(slurm_cluster, sft_export, verl_data, tmp_path):
     config = verl_config(tmp_path / "verl-function.yaml", tmp_path / "runs", sft_export, verl_data,
                          {"scorer": "function", "service": "local", "batch_size": 32,
                           "function": f"{ROOT / 'examples' / 'data' / 'verl_reward.py'}:compute_score"})
     run, step = drain_and_resume(slurm_cluster, config)
     assert_same_rows_as_uninterrupted(run, step)
     assert any(m["reward_mean"] > 0 for m in steps(run))
+    print(f"\nMEASURE verl het job with its compute_score, drained at step {step} and resumed")

@@ -59,20 +59,6 @@ TIMELIMIT_TIMEOUT_S = 420
 """Bound on the time-limit job: 2-4 allocations of <= 60 s, ~10 s of requeue between them, on shared cores."""
 
 
-@pytest.fixture(scope="module")
-def sft_export(tmp_path_factory) -> Path:
-    """A short SFT of examples/tiny-sft.yaml (held-out accuracy ~0.05): some samples of a group are right
-    and some wrong, so GRPO has signal. Local backend: it is only the starting point."""
-    path = ROOT / "examples" / "tiny-sft.yaml"
-    job = load_config(path, ["train.steps=400", "task.eval_size=200"])
-    sub = launch.submit(job, config_text=path.read_text(), backend="local",
-                        run_root=tmp_path_factory.mktemp("sft"))
-    assert [int(c) for c in launch.wait(sub, timeout_s=300, poll_s=0.5)] == [0, 0]
-    export = sub.run_dir / "export" / "hf"
-    assert (export / "config.json").is_file()
-    return export
-
-
 def rl_config(path: Path, run_root: Path, init_from: Path, *, method: str, colocate: bool = False,
               reward_component: bool = False, step_delay_s: float = 0.0, time_limit_min: int = 5,
               signal_before_s: int = 30, max_no_progress_restarts: int = 3, backend: str = "torch",
