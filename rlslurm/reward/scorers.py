@@ -149,6 +149,9 @@ def rule_verdict(response: str, reference: str, format_regex: str | None = None)
     got = normalise_number(answer) if answer is not None else None
     if got is None or want is None:
         return None
+    if "\\" in response and not (_BOXED.search(response) or _ANSWER_IS.search(response)):
+        # The last number of LaTeX is no answer ("$\frac{72}{2}$" ends in 2): math-verify reads the expression.
+        return None
     same = got == want
     return Scored(1.0 if same else 0.0, f"answer {_short(answer)} {'==' if same else '!='} reference "
                                         f"{_short(reference)}")

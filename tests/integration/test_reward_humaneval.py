@@ -67,3 +67,24 @@ def test_rlslurm_score_prints_the_pass_rate(tmp_path):
     broken = subprocess.run(rlslurm + ["--responses", "broken.jsonl"], cwd=tmp_path, capture_output=True, text=True,
                             timeout=120)
     assert broken.returncode == 2 and "broken.jsonl:2: not JSON" in broken.stderr and "Traceback" not in broken.stderr
+
+
+def test_rlslurm_score_reads_gsm8k_answers_through_math_verify(tmp_path):
+    """examples/grpo-gsm8k.yaml (GSM8K's layout, the rule scorer): the reference's `#### n` against a response's
+    `#### n`, `\\boxed{n}`, a LaTeX fraction and a plain final number pass; a wrong number and no number fail."""
+    from rlslurm.models.smollm2 import export
+
+    tokenizer = export(tmp_path / "smollm2-tokenizer", tokenizer_only=True)
+    rows = [json.loads(line) for line in (ROOT / "examples/data/gsm8k-style-test.jsonl").read_text().splitlines()]
+    want = [int(r["answer"].rsplit("####", 1)[1]) for r in rows[:6]]
+    lines = [f"So the total is {want[0]}.\n#### {want[0]}", f"The answer is $\\boxed{{{want[1]}}}$.",
+             f"$\\frac{{{2 * want[2]}}}{{2}}$", f"They have {want[3]} now.", f"#### {want[4] + 1}", "I am not sure."]
+    write_jsonl(tmp_path / "r.jsonl", [{"row": i, "response": text} for i, text in enumerate(lines)])
+    scored = subprocess.run([sys.executable, "-m", "rlslurm.cli.main", "score", "examples/grpo-gsm8k.yaml",
+                             "--set", f"train.init_from={tokenizer}", "--responses", str(tmp_path / "r.jsonl"),
+                             "--out", str(tmp_path / "scored.jsonl")], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300)
+    assert scored.returncode == 0, scored.stderr
+    got = [json.loads(line)["score"] for line in (tmp_path / "scored.jsonl").read_text().splitlines()]
+    assert got == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0], (got, scored.stdout)
+    assert "pass rate 0.667 (4/6" in scored.stdout, scored.stdout
