@@ -7,11 +7,10 @@ engine server process and verified weight sync; held-out greedy accuracy after R
 The RL run here is the synchronous one (rl.max_staleness 0; test_rl_overlap.py runs ahead of the trainer).
 Both runs are session fixtures in conftest.py, shared with test_rl_overlap.py.
 
-Measured (seeds fixed by the examples; 2-core AMD EPYC, avx2, no avx512): ATEN_CPU_CAPABILITY=default
-SFT 0.354 (stopped at its dev target, step 950; 62 s) -> RL 0.565 / 0.604 / 0.622 after 20 / 40 / 60 steps
-(35 s in steps), 128 s for the file on an idle machine; avx2 (this CPU's own path) 0.345 -> 0.531 / 0.562 /
-0.545; since RL draws its prompts through the data layer's seeded epochs (rlslurm/rl/draw.py, not a
-random.sample per step), avx2 0.345 -> 0.529 / 0.569 / 0.570 (2026-12-03, on a loaded machine). What holds
+Measured (seeds fixed by the examples; 2-core AMD EPYC, avx2, no avx512), with RL's prompts drawn through the
+data layer's seeded epochs (rlslurm/rl/draw.py): ATEN_CPU_CAPABILITY=default SFT 0.354 (stopped at its dev
+target, step 950) -> RL 0.611 after 60 steps (bench/bench_learning.py's run of the same configs); avx2 (this
+CPU's own path) 0.345 -> 0.529 / 0.569 / 0.570 after 20 / 40 / 60 steps. What holds
 across paths is asserted, not one machine's figure: SFT stopped by its target, its held-out
 >= 0.25, RL >= SFT + 0.10. Why 0.10: with 1000 problems the standard error of a difference of two accuracies
 near 0.4-0.6 is ~2.2 % (less, since the problems are the same), so +0.10 is > 4 standard errors above "no
