@@ -25,6 +25,7 @@ import os
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -90,10 +91,15 @@ def reward_env(job: JobConfig) -> dict[str, str]:
 class Controller:
     """Rank 0: prompts, rollout, reward, advantages, sync, evaluation."""
 
-    def __init__(self, job: JobConfig, run: RunDir, model_dir: Path, tokenizer):
+    def __init__(self, job: JobConfig, run: RunDir, model_dir: Path, tokenizer, *,
+                 stopping: Callable[[], bool] = lambda: False):
         from rlslurm.sync.protocol import WeightSync, transport_for
 
         self.job, self.run, self.tokenizer = job, run, tokenizer
+        self.stopping = stopping
+        """Whether this rank is draining (SLURM's SIGTERM, a drain request): a lost engine is then not waited for.
+        Under a preemption the engines' component is going too, and waiting for a replacement would spend the
+        KillWait the drain checkpoint needs (measured: the job killed with no `drained` event)."""
         self.data = job.data.train is not None
         """A user's rows (data.train): scored by reward.scorer; else the task's, by the task's exact rule."""
         # The text an engine is sent for a prompt (task.prompt_style, or a row's text / messages), and the
@@ -226,8 +232,10 @@ class Controller:
         waits, the supervisor's replacement is awaited (rollout.request_timeout_s, Engines.returning), synced
         to the version the others served and VERIFIED, then readmitted (sync_engines: a broadcast group is
         formed anew with it). True once an engine is back; False where it cannot be done here (the rollout
-        runs ahead of training, rl.max_staleness > 0, so the weights are not that version's; no weights)."""
-        if self.current_weights is None or self.job.rl.max_staleness or self.engines.version is None:
+        runs ahead of training, rl.max_staleness > 0, so the weights are not that version's; no weights; this rank
+        drains: SLURM takes the engines' component too, and the drain needs the KillWait)."""
+        if self.current_weights is None or self.job.rl.max_staleness or self.engines.version is None \
+                or self.stopping():
             return False
         version = self.engines.version
         log.warning("no engine left in rotation at step %d: waiting for a replacement, to sync it to version %d",
@@ -329,7 +337,10 @@ class Controller:
                 if not members:
                     # The last engine lost in the sync (the lone engine, the default): its supervisor's
                     # replacement is awaited (bounded: rollout.request_timeout_s) and the sync made again with
-                    # it; none back, or past its restart budget (check_down), the job fails as before.
+                    # it; none back, or past its restart budget (check_down), the job fails as before. Not while
+                    # draining: the sync's failure goes to the drain as before.
+                    if self.stopping():
+                        raise
                     log.warning("the last engine failed the sync to version %d: waiting for its replacement",
                                 version)
                     self.engines.check_down()

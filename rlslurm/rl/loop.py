@@ -68,7 +68,8 @@ def run(job: JobConfig, run_dir: str | Path) -> int:
         with guard:
             model_dir = initial_model_dir(job, run_, topo)
             policy = make_policy(job, topo, model_dir)
-            controller = Controller(job, run_, model_dir, policy.tokenizer) if topo.is_main else None
+            controller = Controller(job, run_, model_dir, policy.tokenizer, stopping=lambda: gate.requested) \
+                if topo.is_main else None
             try:
                 code = Loop(job, run_, topo, gate, guard, policy, controller, metrics).run()
             except Exception as e:
