@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from jobs.sft_eval import StopAtTarget, evaluate_export
 from rlslurm import lifecycle
 from rlslurm.checkpoint import Checkpoint, CheckpointWriter, IntervalPolicy, step_dirname
 from rlslurm.config import JobConfig, load_config
@@ -51,31 +52,17 @@ from rlslurm.data.layout import DataError, RowError
 from rlslurm.data.sampler import Sampler
 from rlslurm.data.splits import load_splits
 from rlslurm.data.table import BadRows, SampleTable
-from rlslurm.data.tokens import IGNORE, encode, fit, job_tokenizer
+from rlslurm.data.tokens import collate, encode, fit, job_tokenizer
 from rlslurm.diag.drain_gate import DrainGate, agreed_reason
 from rlslurm.diag.guard import PhaseGuard
 from rlslurm.dist import Topology, compute_device, init_process_group, release_process_group_users
 from rlslurm.errors import CheckpointError, ConfigError, RlslurmError
-from rlslurm.evaluate import greedy_accuracy
 from rlslurm.events import DATA_ROWS_SKIPPED, SFT_EXPORT, SFT_FINISHED, SFT_START, emit
 from rlslurm.lifecycle import ExitCode
 from rlslurm.metrics_sinks import MetricsLog
 from rlslurm.rundir import RunDir
-from rlslurm.tasks.arithmetic import make_dev, parse_prompt
 from rlslurm.tinymodel import build_model, load_hf, save_hf
-from rlslurm.tokenizer import PAD_ID
 from rlslurm.train_config import TrainConfig
-
-
-def collate(examples: list[tuple[list[int], list[int]]]) -> dict[str, torch.Tensor]:
-    """Right-pad a batch; padding sits after every real token, so causal attention never sees it."""
-    width = max(len(ids) for ids, _ in examples)
-    ids = torch.full((len(examples), width), PAD_ID, dtype=torch.long)
-    labels = torch.full((len(examples), width), IGNORE, dtype=torch.long)
-    mask = torch.zeros((len(examples), width), dtype=torch.long)
-    for row, (x, y) in enumerate(examples):
-        ids[row, : len(x)], labels[row, : len(y)], mask[row, : len(x)] = torch.tensor(x), torch.tensor(y), 1
-    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
 def batch_indices(n_examples: int, global_batch: int, seed: int, step: int, rank: int, world: int) -> list[int]:
@@ -352,44 +339,12 @@ def _train(job: JobConfig, run: RunDir, topo: Topology, gate: DrainGate, guard: 
         # Every rank: the Megatron export gathers over TP; rank 0 writes it and evaluates it.
         export, model = state.export(run.path / "export" / "hf", job.rollout.max_new_tokens)
         if topo.is_main:
-            summary.update(_evaluate(job, run, metrics, state.step, export, model, tokenizer, held_out, started))
+            emit(run, SFT_EXPORT, role="trainer", rank=0, path=str(export), step=state.step)
+            summary.update(evaluate_export(job, metrics, state.step, export, model, tokenizer, held_out, started))
         # Peers wait for the export so that no rank reports finished before the job's output exists.
         dist.barrier()
     emit(run, SFT_FINISHED, role="trainer", **summary)
     return {**summary, "exit_code": ExitCode.DONE}
-
-
-class StopAtTarget:
-    """train.stop_at_accuracy: every train.eval_every_steps, rank 0 decodes the dev split greedily and the run
-    stops once its accuracy reaches the target.
-
-    Why a target and not a step count: the embedded recipe's learning curve is steep where SFT should leave
-    room for RL (0.15 -> 0.62 held-out in 300 steps), and where a given step lands on it moves by hundreds
-    of steps with the CPU's kernel path (ATEN_CPU_CAPABILITY) and the seed: 850 steps gave 0.09 on one
-    machine and 0.37 on another. The stop decision is a pure function of the weights, so a run resumed from
-    the checkpoint it stopped at decides the same again. The dev split is disjoint from held-out: the
-    held-out number is never the one the run was stopped on.
-    """
-
-    def __init__(self, job: JobConfig, metrics: MetricsLog, tokenizer):
-        self.job, self.metrics, self.tokenizer = job, metrics, tokenizer
-        self.dev = make_dev(job.task) if job.train.stop_at_accuracy is not None else []
-
-    def reached(self, state, guard: PhaseGuard) -> bool:
-        """Collective when an evaluation is due (every rank calls it at each step boundary)."""
-        train = self.job.train
-        if not self.dev or state.step == 0 or state.step % train.eval_every_steps:
-            return False
-        with guard.phase("eval", step=state.step):
-            model = state.eval_model()
-            if model is None:
-                return False  # rank 0 decides; the step boundary's all-reduce carries its answer
-            t0 = time.perf_counter()
-            result = greedy_accuracy(model, self.tokenizer, self.dev, max_new_tokens=self.job.rollout.max_new_tokens)
-            self.metrics.append({
-                "t": time.time(), "kind": "sft_dev", "step": state.step, "dev_accuracy": result.accuracy,
-                "target": train.stop_at_accuracy, "eval_s": time.perf_counter() - t0})
-        return result.accuracy >= train.stop_at_accuracy
 
 
 def _batch(job: JobConfig, run: RunDir, tokenizer, rows: SampleTable, idx: list[int], step: int, rank: int,
@@ -428,48 +383,6 @@ def _batch(job: JobConfig, run: RunDir, tokenizer, rows: SampleTable, idx: list[
         emit(run, DATA_ROWS_SKIPPED, role="trainer", step=step, **skipped,
              **({"first_reason": reason} if reason else {}))
     return collate(examples), skipped
-
-
-def _evaluate(job, run, metrics, step, export, model, tokenizer, held_out: SampleTable, started) -> dict:
-    emit(run, SFT_EXPORT, role="trainer", rank=0, path=str(export), step=step)
-    if job.data.train is None:
-        problems = [parse_prompt(s.prompt) for s in held_out.samples()]
-        result = greedy_accuracy(model, tokenizer, problems, max_new_tokens=job.rollout.max_new_tokens)
-        record = {"heldout_accuracy": result.accuracy, "heldout_correct": result.correct,
-                  "heldout_total": result.total}
-    else:
-        record = heldout_loss(job, model, tokenizer, held_out)
-    record.update({"export": str(export), "wall_s": time.time() - started})
-    metrics.append({"t": time.time(), "kind": "sft_eval", "step": step, **record})
-    return record
-
-
-HELDOUT_ROWS = 256
-"""Held-out rows a data SFT run scores its export's completion loss on (the first ones of data.eval)."""
-
-
-@torch.no_grad()
-def heldout_loss(job: JobConfig, model, tokenizer, held_out: SampleTable) -> dict:
-    """Mean completion-token loss of the trained model on the first HELDOUT_ROWS held-out rows that fit."""
-    model = getattr(model, "module", model)
-    was_training = model.training
-    model.eval()
-    total, tokens, rows = 0.0, 0, 0
-    try:
-        for i in range(min(len(held_out), HELDOUT_ROWS)):
-            sample = held_out.try_sample(i)
-            if isinstance(sample, RowError):
-                continue
-            example = fit(encode(tokenizer, sample), job.model.max_positions, job.data.too_long)
-            if example is None:
-                continue
-            batch = collate([example])
-            n = int((batch["labels"][:, 1:] != IGNORE).sum())
-            out = model(**{k: v.to(model.device) for k, v in batch.items()})
-            total, tokens, rows = total + float(out.loss) * n, tokens + n, rows + 1
-    finally:
-        model.train(was_training)
-    return {"heldout_loss": total / tokens if tokens else None, "heldout_rows": rows, "heldout_tokens": tokens}
 
 
 def _set_cpu_threads(topo: Topology) -> None:

@@ -3,12 +3,16 @@ learned after it, and what happens to a row longer than the model's positions.
 
     ids, labels = encode(tokenizer, sample)      # labels: IGNORE on the prompt, the completion + </s> learned
     fit((ids, labels), max_positions, "drop")    # as is, cut (truncate), or None (dropped)
+    collate([(ids, labels), ...])                # right-padded input_ids, labels, attention_mask
 """
 
 from __future__ import annotations
 
+import torch
+
 from rlslurm.data.sample import Sample
 from rlslurm.errors import ConfigError
+from rlslurm.tokenizer import PAD_ID
 
 IGNORE = -100
 """Label value the HF loss skips: prompt and padding positions."""
@@ -83,3 +87,15 @@ def fit(example: tuple[list[int], list[int]], max_positions: int, too_long: str)
     if too_long == "truncate" and any(t != IGNORE for t in labels[:max_positions]):
         return ids[:max_positions], labels[:max_positions]
     return None
+
+
+def collate(examples: list[tuple[list[int], list[int]]]) -> dict[str, torch.Tensor]:
+    """Right-pad a batch of (ids, labels) for the trainer; padding sits after every real token, so causal
+    attention never sees it."""
+    width = max(len(ids) for ids, _ in examples)
+    ids = torch.full((len(examples), width), PAD_ID, dtype=torch.long)
+    labels = torch.full((len(examples), width), IGNORE, dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for row, (x, y) in enumerate(examples):
+        ids[row, : len(x)], labels[row, : len(y)], mask[row, : len(x)] = torch.tensor(x), torch.tensor(y), 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}

@@ -174,7 +174,7 @@ class MegatronSFTState:
 
     def eval_model(self):
         """Collective: the transformers model holding the current weights on rank 0 (gathered over TP), None on
-        the other ranks: what the dev split's greedy decode reads (jobs/sft.py StopAtTarget)."""
+        the other ranks: what the dev split's greedy decode reads (jobs/sft_eval.py StopAtTarget)."""
         tensors = self._hf_tensors()
         if not self.topo.is_main:
             return None
