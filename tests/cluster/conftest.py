@@ -93,6 +93,16 @@ def sft_export(tmp_path_factory) -> Path:
     return export
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _cancel_and_tidy_at_end(slurm_cluster):
+    """After each module (before the session stops the cluster): its jobs cancelled, what they left ended."""
+    import spine_util as su
+
+    yield
+    for line in su.cleanup():
+        print(f"\ncleanup: {line}")
+
+
 OUTLIVE_GRACE_S = 45.0
 """How long a process of an ended job may take to go after the test (SLURM's KillWait is 30 s here)."""
 

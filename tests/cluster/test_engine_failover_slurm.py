@@ -37,13 +37,6 @@ HANG_TIMEOUT_S = load_config(Path(__file__).resolve().parents[2] / "examples" / 
 """The default the SIGSTOP must be detected within (+ 5 s)."""
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _cancel_and_tidy_at_end(slurm_cluster):
-    yield
-    for line in su.cleanup():
-        print(f"\ncleanup: {line}")
-
-
 def _config(path: Path, run_root: Path, engines: int = 2) -> Path:
     """2 trainer ranks on a train node, 2 engines on a rollout node; rollouts long enough (48 tokens x 256
     samples, ~1-3 s) to be caught in the middle; a fast heartbeat so the test sees the rollout phase at once."""

@@ -55,9 +55,7 @@ def injected(iface: str) -> dict[str, str]:
 @pytest.fixture(scope="module", autouse=True)
 def _tidy(slurm_cluster):
     yield
-    slurm_cluster.cluster.clear_node_env("n7")
-    for line in su.cleanup():
-        print(f"\ncleanup: {line}")
+    slurm_cluster.cluster.clear_node_env("n7")  # then conftest's _cancel_and_tidy_at_end
 
 
 def _config(path: Path, run_root: Path, kind: str, iface: str, **sections) -> Path:

@@ -131,13 +131,6 @@ def planted_in_run(run: Path) -> set[str]:
     return found
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _cancel_and_tidy_at_end(slurm_cluster):
-    yield
-    for line in su.cleanup():
-        print(f"\ncleanup: {line}")
-
-
 @pytest.fixture(scope="module")
 def failed_job(slurm_cluster, tmp_path_factory):
     """Submitted with the reference (it runs on the other train node): rank 0 raises at step 6."""

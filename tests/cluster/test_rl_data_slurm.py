@@ -34,13 +34,6 @@ JOB_TIMEOUT_S = 240
 """Bound on one RL job, its requeue included (test_rl_slurm.py measured 36-45 s with a requeue)."""
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _cancel_and_tidy_at_end(slurm_cluster):
-    yield
-    for line in su.cleanup():
-        print(f"\ncleanup: {line}")
-
-
 @pytest.fixture(scope="module")
 def verl_data(tmp_path_factory) -> tuple[Path, Path]:
     spec = importlib.util.spec_from_file_location("make_examples", ROOT / "examples" / "data" / "make_examples.py")

@@ -45,13 +45,6 @@ JOB_TIMEOUT_S = 240
 """Bound on one RL job, a requeue included (measured: 13-20 s a start, 36-45 s with a requeue)."""
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _cancel_and_tidy_at_end(slurm_cluster):
-    yield
-    for line in su.cleanup():
-        print(f"\ncleanup: {line}")
-
-
 TIMELIMIT = {"step_delay_s": 1.0, "time_limit_min": 1, "signal_before_s": 5, "max_no_progress_restarts": 10}
 """The time-limit job: 40 steps of >= 1 s (the delay stands in for compute) outlast a 1-minute allocation,
 whose USR1 comes 5 s before the limit or up to ~30 s earlier (SLURM checks time limits every 30 s)."""

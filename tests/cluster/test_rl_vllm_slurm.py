@@ -42,9 +42,6 @@ MODEL = {"hidden": 64, "heads": 2}
 """The embedded model with a head size of 32, the smallest vLLM's CPU attention serves."""
 
 
-_cancel_and_tidy_at_end = rl._cancel_and_tidy_at_end  # autouse: this module's jobs cancelled, leftovers ended
-
-
 @pytest.fixture(scope="module")
 def sft_export(tmp_path_factory) -> Path:
     """A short SFT of examples/tiny-sft.yaml at MODEL's shape (local backend: only the starting point)."""

@@ -56,13 +56,6 @@ def outcome(run: Path) -> dict:
     return {"weights_sha256": finished[0]["weights_sha256"], "correct": evaluated["heldout_correct"]}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _cancel_and_tidy_at_end(slurm_cluster):
-    yield
-    for line in su.cleanup():
-        print(f"\ncleanup: {line}")
-
-
 def test_sft_requeued_by_slurm_resumes_and_ends_like_the_run_off_slurm(slurm_cluster, tmp_path):
     local = sft_config(tmp_path / "sft-local.yaml", tmp_path / "runs", backend="local")
     ref = launch.submit(load_config(local), config_text=local.read_text())

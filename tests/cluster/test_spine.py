@@ -39,14 +39,6 @@ JOB_TIMEOUT_S = 150
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _cancel_and_tidy_at_end(slurm_cluster):
-    """After the module (before the session stops the cluster): no job or process of ours lives on."""
-    yield
-    for line in su.cleanup():
-        print(f"\ncleanup: {line}")
-
-
-@pytest.fixture(scope="module", autouse=True)
 def timelimit_job(_cancel_and_tidy_at_end, slurm_cluster, tmp_path_factory):
     """A job with more training (24 steps x 2.6 s) than one 1-minute allocation holds. USR1 comes
     signal_before_s = 10 before the limit (SLURM sends it up to ~30 s earlier still: ~20-27 s into each
