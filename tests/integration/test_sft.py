@@ -1,66 +1,30 @@
 """The SFT entrance for real: two processes over gloo train examples/tiny-sft.yaml, then the export is
 reloaded with AutoModelForCausalLM + AutoTokenizer and measured again.
 
-One run of the example (~1 min on 2 cores) feeds every test of the module.
+One run of the example (~1-2 min on 2 cores; the session's, which the RL tests share) feeds every test of the
+module.
 """
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
-
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlslurm.config import load_config
 from rlslurm.evaluate import greedy_accuracy
 from rlslurm.events import read_events
 from rlslurm.jobs.sft import batch_indices, weights_sha256
 from rlslurm.rundir import RunDir, read_jsonl
 from rlslurm.tasks.arithmetic import make_splits
 
-ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "examples" / "tiny-sft.yaml"
 WORLD = 2
-RUN_TIMEOUT_S = 600
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
-def sft_run(tmp_path_factory) -> dict:
-    run_dir = tmp_path_factory.mktemp("sft") / "run"
-    port = _free_port()
-    procs = []
-    started = time.monotonic()
-    for rank in range(WORLD):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "HF_HUB_OFFLINE": "1",
-               "OMP_NUM_THREADS": "1"}
-        log = open(run_dir.parent / f"rank{rank}.log", "w")
-        procs.append((subprocess.Popen([sys.executable, "-m", "rlslurm.jobs.sft", "--config", str(EXAMPLE),
-                                        "--run-dir", str(run_dir)], env=env, stdout=log,
-                                       stderr=subprocess.STDOUT), log))
-    try:
-        codes = [p.wait(timeout=RUN_TIMEOUT_S) for p, _ in procs]
-    finally:
-        for p, log in procs:
-            if p.poll() is None:
-                p.kill()
-            log.close()
-    wall_s = time.monotonic() - started
-    logs = [(run_dir.parent / f"rank{r}.log").read_text() for r in range(WORLD)]
-    assert codes == [0] * WORLD, f"exit codes {codes}; rank logs:\n" + "\n---\n".join(log[-3000:] for log in logs)
-    print(f"\nSFT on {WORLD} gloo ranks: {wall_s:.1f} s wall")
-    return {"run": RunDir(run_dir), "wall_s": wall_s, "job": load_config(EXAMPLE)}
+def sft_run(sft) -> dict:
+    """The session's SFT of the example (tests/integration/conftest.py: `rlslurm submit`, local backend, 2 ranks
+    over gloo), shared with the RL tests that start from its export. The same entry point under srun is
+    tests/cluster/test_sft_slurm.py's."""
+    return {"run": RunDir(sft["run_dir"]), "wall_s": sft["eval"]["wall_s"], "job": sft["job"]}
 
 
 def test_both_ranks_finish_with_identical_weights(sft_run):
