@@ -75,9 +75,10 @@ def _done_sft(root: Path) -> Path | None:
     return runs[-1] if runs else None
 
 
-def one(cap: str, seed: int, root: Path, reuse_sft: bool = False) -> dict:
+def one(cap: str, seed: int, root: Path, reuse_sft: bool = False, rl_sets: tuple[str, ...] = ()) -> dict:
     """SFT then GRPO at one kernel path and seed: the row of the table. `reuse_sft`: GRPO from the SFT run this
-    root already holds for (cap, seed), when there is one (its wall seconds then read as 0)."""
+    root already holds for (cap, seed), when there is one (its wall seconds then read as 0); `rl_sets`: GRPO's
+    config overrides, tried against the same SFT runs."""
     load = os.getloadavg()[0]
     sft = _done_sft(root / f"{cap}-{seed}") if reuse_sft else None
     if sft is not None:
@@ -86,7 +87,7 @@ def one(cap: str, seed: int, root: Path, reuse_sft: bool = False) -> dict:
         sft, sft_s = _submit("tiny-sft.yaml", root / f"{cap}-{seed}", cap, [f"train.seed={seed}"])
     sft_eval = next(r for r in _metrics(sft) if r.get("kind") == "sft_eval")
     rl, rl_s = _submit("tiny-grpo.yaml", root / f"{cap}-{seed}", cap,
-                       [f"train.seed={seed}", f"train.init_from={sft / 'export' / 'hf'}"])
+                       [f"train.seed={seed}", f"train.init_from={sft / 'export' / 'hf'}", *rl_sets])
     evals = [r for r in _metrics(rl) if "held_out_accuracy" in r]
     rl_acc = evals[-1]["held_out_accuracy"]
     return {"cap": cap, "seed": seed, "sft_steps": sft_eval["step"], "sft": sft_eval["heldout_accuracy"],
@@ -120,6 +121,8 @@ def main() -> int:
     parser.add_argument("--reuse-sft", action="store_true",
                         help="GRPO from the SFT run already under --run-root for each (path, seed): SFT does not "
                              "depend on the RL recipe, so an RL change is measured without training SFT again")
+    parser.add_argument("--rl-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="an override of examples/tiny-grpo.yaml, as `rlslurm submit --set` (repeatable)")
     args = parser.parse_args()
     caps = args.caps or cpu_caps()
     missing = [c for c in caps if c not in cpu_caps()]
@@ -128,7 +131,7 @@ def main() -> int:
     rows = []
     for cap in [c for c in caps if c not in missing]:
         for seed in args.seeds:
-            rows.append(one(cap, seed, args.run_root, args.reuse_sft))
+            rows.append(one(cap, seed, args.run_root, args.reuse_sft, tuple(args.rl_set)))
             print(table(rows[-1:]).splitlines()[1], flush=True)
     print(table(rows))
     if args.json_out:

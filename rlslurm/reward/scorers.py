@@ -217,16 +217,25 @@ def extract_code(response: str) -> str:
 
 def code_program(item: Item) -> str:
     """The program the code scorer runs for `item`. HumanEval's layout (an entry point): the prompt (the
-    function's signature and docstring), the response as its completion, the tests, `check(entry_point)`;
-    a response whose fenced code block itself defines the entry point is taken alone instead of the prompt
-    and completion (a chat model's answer restates the whole function). Without an entry point: the
-    response's first code block (else all of it), then the tests."""
+    function's signature and docstring; in a chat row, the prompt's own fenced block) with the response as
+    its completion, then the tests and `check(entry_point)`. A response whose fenced code block itself
+    defines the entry point is taken alone instead (a chat model's answer restates the whole function),
+    after the prompt's import lines, which such an answer tends to leave out (`from typing import List`).
+    Without an entry point: the response's first code block (else all of it), then the tests."""
     if not item.entry_point:
         return extract_code(item.response) + "\n\n" + item.tests + "\n"
+    stub = extract_code(item.prompt)
     found = _FENCE.search(item.response)
     defines = found and re.search(rf"^\s*(?:async\s+)?def\s+{re.escape(item.entry_point)}\s*\(", found.group(1), re.M)
-    solution = found.group(1) if defines else item.prompt + item.response
+    if defines:
+        imports = "".join(line + "\n" for line in stub.splitlines() if _IMPORT.match(line))
+        solution = imports + found.group(1)
+    else:
+        solution = stub + item.response
     return f"{solution}\n{item.tests}\ncheck({item.entry_point})\n"
+
+
+_IMPORT = re.compile(r"(?:from\s+[\w.]+\s+)?import\s")
 
 
 @dataclass

@@ -69,6 +69,22 @@ def test_rlslurm_score_prints_the_pass_rate(tmp_path):
     assert broken.returncode == 2 and "broken.jsonl:2: not JSON" in broken.stderr and "Traceback" not in broken.stderr
 
 
+def test_chat_rows_score_a_restated_function_with_the_prompts_imports(tmp_path):
+    """examples/smollm2-humaneval.yaml's rows (each prompt a chat message, the function inside a fence): a
+    canonical solution restated as a chat model answers (prose, the whole function in a block, the prompt's
+    imports left out) passes every problem's tests through `rlslurm score`."""
+    shutil.copy(ROOT / "examples/score-humaneval.yaml", tmp_path / "job.yaml")
+    subprocess.run([sys.executable, "-m", "rlslurm.data.humaneval", "--chat", "--out", "chat.jsonl"], cwd=tmp_path,
+                   check=True, timeout=60)
+    write_jsonl(tmp_path / "restated.jsonl", responses("chat-canonical"))
+    assert "from typing" not in (tmp_path / "restated.jsonl").read_text()
+    scored = subprocess.run([sys.executable, "-m", "rlslurm.cli.main", "score", "job.yaml", "--set",
+                             "data.train=chat.jsonl", "--set", "data.eval=chat.jsonl", "--responses", "restated.jsonl"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert scored.returncode == 0, scored.stderr
+    assert "pass rate 1.000 (164/164" in scored.stdout, scored.stdout
+
+
 def test_rlslurm_score_reads_gsm8k_answers_through_math_verify(tmp_path):
     """examples/grpo-gsm8k.yaml (GSM8K's layout, the rule scorer): the reference's `#### n` against a response's
     `#### n`, `\\boxed{n}`, a LaTeX fraction and a plain final number pass; a wrong number and no number fail."""

@@ -286,13 +286,14 @@ def test_examples_pass_all_three_commands(tmp_path: Path, guarded):
     make_examples = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(make_examples)
     make_examples.write_generated()
-    # grpo-gsm8k.yaml's rows are checked with SmolLM2's tokenizer (its init_from is made by a 40 s export of the
-    # weights, docs/real-model.md): its tokenizer alone, exported here in a second, stands in for the directory.
+    # grpo-gsm8k.yaml's and smollm2-humaneval.yaml's rows are checked with SmolLM2's tokenizer (their init_from is
+    # made by a 40 s export of the weights, docs/real-model.md): its tokenizer alone, exported here in a second,
+    # stands in for the directory.
     from rlslurm.models.smollm2 import export
 
     tokenizer = export(tmp_path / "smollm2-tokenizer", tokenizer_only=True)
     for name, text in EXAMPLES.items():
-        sets = [f"train.init_from={tokenizer}"] if name == "grpo-gsm8k.yaml" else []
+        sets = [f"train.init_from={tokenizer}"] if name in ("grpo-gsm8k.yaml", "smollm2-humaneval.yaml") else []
         _run_all(tmp_path, text.encode(), sets, "slurm")
         overrides = [a for s in sets for a in ("--set", s)]
         result = CliRunner().invoke(cli, ["submit", str(ROOT / "examples" / name), "--dry-run", "--backend", "slurm",

@@ -96,6 +96,19 @@ def test_humaneval_program():
     assert plain == "x = 1\n\n\nassert x == 1\n"
 
 
+def test_humaneval_program_of_a_chat_row():
+    """A chat row asks for the function inside a fenced block of its prompt: a completion continues that code,
+    and a restated function gets the prompt's imports back."""
+    stub = "from typing import List\nimport math\n\n\ndef total(xs: List[int]) -> int:\n    \"\"\"sum\"\"\"\n"
+    base = dict(id="0", prompt=f"Complete this function.\n```python\n{stub}```\n", entry_point="total",
+                tests="def check(candidate):\n    assert candidate([1, 2]) == 3\n")
+    answer = "```python\ndef total(xs: List[int]) -> int:\n    return sum(xs)\n```"
+    restated = code_program(Item(response=answer, **base))
+    assert restated.startswith("from typing import List\nimport math\ndef total(xs: List[int]) -> int:\n")
+    completion = code_program(Item(response="    return sum(xs)\n", **base))
+    assert completion.startswith(stub + "    return sum(xs)\n") and "Complete" not in completion
+
+
 def test_item_for_marks_json_references():
     assert item_for(Sample(prompt="q", reference=[1, 2]), "r", "0").reference_is_json
     assert not item_for(Sample(prompt="q", reference="[1, 2]"), "r", "0").reference_is_json
