@@ -36,6 +36,7 @@ from rlslurm.data.sample import Sample
 from rlslurm.data.splits import load_splits
 from rlslurm.diag.env_diff import compare, read_fingerprints
 from rlslurm.diag.guard import PhaseGuard
+from rlslurm.errors import RlslurmError
 from rlslurm.layout import JobLayout
 from rlslurm.reward.config import RewardConfig
 from rlslurm.reward.items import item_for
@@ -231,12 +232,20 @@ class Controller:
         """No engine left in rotation mid-rollout (one engine, the default, killed or hung): while the trainer
         waits, the supervisor's replacement is awaited (rollout.request_timeout_s, Engines.returning), synced
         to the version the others served and VERIFIED, then readmitted (sync_engines: a broadcast group is
-        formed anew with it). True once an engine is back; False where it cannot be done here (the rollout
-        runs ahead of training, rl.max_staleness > 0, so the weights are not that version's; no weights; this rank
-        drains: SLURM takes the engines' component too, and the drain needs the KillWait)."""
-        if self.current_weights is None or self.job.rl.max_staleness or self.engines.version is None \
-                or self.stopping():
+        formed anew with it). With the rollout running ahead of training (rl.max_staleness > 0, this is the
+        producer thread) the weights of that version are gone: the trainer's next sync, made meanwhile,
+        brings the replacement back at its own version (pipeline.await_sync). True once an engine is back;
+        False where it cannot be done (no weights; this rank drains: SLURM takes the engines' component too,
+        and the drain needs the KillWait)."""
+        if self.current_weights is None or self.engines.version is None or self.stopping():
             return False
+        if self.job.rl.max_staleness:
+            log.warning("no engine left in rotation in step %d's rollout: waiting for the trainer's next sync to "
+                        "bring a replacement back", step)
+            # bounded: the trainer's step before that sync (diag.hang_timeout_s) and the replacement's wait
+            # there (rollout.request_timeout_s)
+            timeout_s = self.job.diag.hang_timeout_s + self.job.rollout.request_timeout_s
+            return self.pipeline.await_sync(step, timeout_s) and bool(self.engines.admitted())
         version = self.engines.version
         log.warning("no engine left in rotation at step %d: waiting for a replacement, to sync it to version %d",
                     step, version)
@@ -317,6 +326,11 @@ class Controller:
         self.engines.check_down()
         back = self.engines.returning()
         members = sorted(self.engines.admitted() + back)
+        if not members:  # none in rotation and none back within rollout.request_timeout_s
+            self.engines.check_down()
+            raise RlslurmError(f"no engine to sync to version {version} at step {step}: every engine is out of "
+                               f"rotation and none came back within rollout.request_timeout_s = "
+                               f"{self.job.rollout.request_timeout_s:g} s (events engine_out, engine_restarted)")
         if back:
             # A replacement listens at its predecessor's URL but is a new peer: a broadcast group is formed
             # again (a new generation) rather than reused.

@@ -134,6 +134,7 @@ class ExperiencePipeline(Generic[P]):
         self._rolled_through = m - 1   # last step whose rollout is done
         self._served = first_step      # step boundary whose weights the engines serve
         self._error: tuple[int, BaseException] | None = None
+        self._stalled: int | None = None  # step whose rollout waits for the trainer's next sync (no engine left)
         self._closed = False
         self._producing: tuple[int, str] | None = None  # (step, what) the producer is at, for logs
         self.guard = ProducerGuard()
@@ -166,14 +167,34 @@ class ExperiencePipeline(Generic[P]):
         if not self.threaded:
             return
         target = min(boundary - 1 + self.k, self.last_step - 1)
-        self._wait(lambda: self._rolled_through >= target, f"the rollouts through step {target} "
-                   f"(on weights older than version {boundary})", guard)
+        # A rollout with no engine left waits for this very sync (await_sync): it finishes on these weights.
+        self._wait(lambda: self._rolled_through >= target or self._stalled is not None,
+                   f"the rollouts through step {target} (on weights older than version {boundary})", guard)
 
     def synced(self, boundary: int) -> None:
         """The engines serve version `boundary` now: rollouts scheduled on it may start."""
         with self._cond:
             self._served = boundary
             self._cond.notify_all()
+
+    def await_sync(self, step: int, timeout_s: float, poll_s: float = 1.0) -> bool:
+        """The producer, in step `step`'s rollout, has no engine left (the lone engine died or hung): the weights of
+        the version it was scheduled on are gone (the trainer has moved on), so the engine's replacement is
+        synced by the trainer's next sync instead, to the trainer's own weights, and the rest of the step is
+        sampled on them: fresher than its schedule, never staler (staleness stays within k). Waits, bounded
+        by `timeout_s`, for that sync; True once it happened. before_sync lets that sync go ahead meanwhile."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            served, self._stalled = self._served, step
+            self._producing = (step, "rollout: no engine left, waiting for the trainer's next sync")
+            self._cond.notify_all()
+            try:
+                while self._served == served and not self._closed and time.monotonic() < deadline:
+                    self._cond.wait(poll_s)
+                return self._served != served and not self._closed
+            finally:
+                self._stalled = None
+                self._producing = (step, "rollout")
 
     def buffered(self, boundary: int, guard) -> dict[int, Experience]:
         """What a checkpoint at step boundary `boundary` must keep: steps boundary .. boundary + k - 1,

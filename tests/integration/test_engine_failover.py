@@ -202,14 +202,18 @@ def test_an_engine_past_its_budget_leaves_the_rotation_and_the_job_finishes_on_t
 
 
 def test_a_lone_engine_killed_or_stopped_is_replaced_resynced_and_verified_while_the_trainer_waits(tmp_path):
-    """Issue 28, case 1: rollout.engines 1 (the default). Its engine SIGKILLed mid-rollout, later SIGSTOPped
-    mid-rollout: no engine is left in rotation, so the controller waits (rollout.request_timeout_s) for its
-    supervisor's replacement, syncs it to the version the step began at, VERIFIES it, readmits it and re-sends
-    the step's prompts to it; the job finishes every step once. Before, the job failed (engine_failed)."""
+    """Issue 28, case 1: rollout.engines 1 and rl.max_staleness 1 (both the defaults; the rollout runs one step
+    ahead of training). Its engine SIGKILLed mid-rollout, later SIGSTOPped mid-rollout: no engine is left in
+    rotation, so the rollout waits for the trainer's next sync, which waits (rollout.request_timeout_s) for the
+    supervisor's replacement, syncs it to the trainer's weights, VERIFIES it and readmits it; the step's prompts
+    are re-sent to it. The job finishes every step once. Before, the job failed (engine_failed). The
+    synchronous example's path (rl.max_staleness 0: the replacement synced mid-step) is
+    tests/cluster/test_engine_failover_slurm.py's and the next test's."""
     import psutil
 
-    job = load_config(EXAMPLE, ("train.steps=6", "rl.prompts_per_step=16", "rollout.max_new_tokens=24",
-                                "rl.eval_every=100", "task.eval_size=16", "checkpoint.interval_steps=1000",
+    job = load_config(EXAMPLE, ("train.steps=6", "rl.max_staleness=1", "rl.prompts_per_step=16",
+                                "rollout.max_new_tokens=24", "rl.eval_every=100", "task.eval_size=16",
+                                "checkpoint.interval_steps=1000",
                                 f"rollout.hang_timeout_s={HANG_TIMEOUT_S}"))
     assert job.rollout.engines == 1
     sub = launch.submit(job, config_text=EXAMPLE.read_text(), backend="local", run_root=tmp_path)
@@ -230,6 +234,7 @@ def test_a_lone_engine_killed_or_stopped_is_replaced_resynced_and_verified_while
     for back, new in zip(readmitted, restarted):  # back only after a VERIFIED sync that followed the restart
         assert new["t"] < verified[back["version"]] <= back["t"], (back, new)
     assert sum(s["prompts_resent"] for s in _steps(run)) >= 2
+    assert max(s["staleness_max"] for s in _steps(run)) <= 1  # the re-sent prompts sampled on fresher weights
     wait_for("no process of the run left", lambda: not [
         p.pid for p in psutil.process_iter(["cmdline", "status"]) if p.info["cmdline"] and
         p.info["status"] != psutil.STATUS_ZOMBIE and any(str(run) in a for a in p.info["cmdline"])], 30)

@@ -94,6 +94,37 @@ def test_each_step_is_rolled_out_on_version_step_minus_k_and_staleness_never_pas
     assert pipeline.threaded == (k > 0)
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_rollout_with_no_engine_left_finishes_on_the_trainers_next_sync(k):
+    """The lone engine is lost in step 5's rollout (on version 5 - k): the producer waits (await_sync), the
+    trainer's next sync goes ahead instead of waiting for that rollout, and step 5 is sampled on the synced
+    weights: fresher than its schedule, staleness still within k; every other step as scheduled."""
+    engines, steps, lost = Engines(seed=7), 10, 5
+    pipeline: ExperiencePipeline
+
+    def rollout(step, guard):
+        if step == lost and engines.version == lost - k:
+            assert pipeline.await_sync(step, timeout_s=30)
+        return engines.rollout(step, guard)
+
+    pipeline = ExperiencePipeline(rollout, engines.finish, max_staleness=k, first_step=0, last_step=steps).start()
+    try:
+        stats = drive(pipeline, engines, 0, steps, k, seed=7)
+    finally:
+        pipeline.close()
+    assert engines.seen == {m: lost - k + 1 if m == lost else max(0, m - k) for m in range(steps)}
+    assert stats[lost]["staleness_max"] == k - 1 and max(s["staleness_max"] for s in stats.values()) <= k
+
+
+def test_await_sync_is_bounded_and_ends_with_close():
+    pipeline = ExperiencePipeline(lambda s, g: (s, 0), lambda p, g: Experience([], {}), max_staleness=1,
+                                  first_step=0, last_step=3)
+    started = time.monotonic()
+    assert pipeline.await_sync(1, timeout_s=0.3, poll_s=0.05) is False and time.monotonic() - started < 5
+    threading.Timer(0.1, pipeline.stop).start()
+    assert pipeline.await_sync(1, timeout_s=30, poll_s=0.05) is False
+
+
 def test_k0_runs_inline_in_the_callers_thread_under_its_guard():
     threads = []
 
