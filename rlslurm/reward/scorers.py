@@ -228,14 +228,15 @@ def code_program(item: Item) -> str:
     found = _FENCE.search(item.response)
     defines = found and re.search(rf"^\s*(?:async\s+)?def\s+{re.escape(item.entry_point)}\s*\(", found.group(1), re.M)
     if defines:
-        imports = "".join(line + "\n" for line in stub.splitlines() if _IMPORT.match(line))
+        imports = "".join(line + "\n" for line in stub.splitlines() if IMPORT_LINE.match(line))
         solution = imports + found.group(1)
     else:
         solution = stub + item.response
     return f"{solution}\n{item.tests}\ncheck({item.entry_point})\n"
 
 
-_IMPORT = re.compile(r"(?:from\s+[\w.]+\s+)?import\s")
+IMPORT_LINE = re.compile(r"(?:from\s+[\w.]+\s+)?import\s")
+"""A module-level import line: what a restated function leaves out and the code scorer puts back."""
 
 
 @dataclass
