@@ -24,6 +24,9 @@ import sys
 import time
 from pathlib import Path
 
+from rlslurm import events
+from rlslurm.rundir import RunDir, read_jsonl
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = "examples/smollm2-humaneval.yaml"
 MODEL = ROOT / "runs" / "models" / "smollm2-135m-instruct"
@@ -37,10 +40,6 @@ def _run(argv: list[str]) -> float:
     if proc.returncode != 0:
         sys.exit(f"{' '.join(argv)} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-4000:]}")
     return time.monotonic() - started
-
-
-def _read(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def main() -> int:
@@ -65,9 +64,8 @@ def main() -> int:
     wall_s = _run(argv)
     (run,) = [p for p in Path(args.run_root).glob("*") if p.name not in before]
 
-    events = _read(run / "events.jsonl")
-    steps = [r for r in _read(run / "metrics.jsonl") if "policy_version" in r]
-    (start,) = [e for e in events if e["kind"] == "eval"]
+    (start,) = events.read_events(RunDir(run), events.EVAL)
+    steps = [r for r in read_jsonl(run / "metrics.jsonl") if "policy_version" in r]
     end = steps[-1]
     figures = {
         "run": str(run), "steps": len(steps), "eval_rows": start.get("eval_rows"),
