@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import shlex
+import signal
 import subprocess
 import time
 from dataclasses import dataclass
@@ -68,15 +69,22 @@ def _error(argv: Sequence[str], returncode: int | None, stderr: str, why: str,
     return err
 
 
+def _ignore_sigterm() -> None:
+    """In the child between fork and exec: an ignored signal stays ignored across exec."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def run(argv: Sequence[str], *, timeout_s: float = DEFAULT_TIMEOUT_S, check: bool = True,
-        env: Mapping[str, str] | None = None) -> CommandResult:
-    """Run one SLURM command; raise SlurmCommandError (argv, returncode, stderr) unless it exits 0."""
+        env: Mapping[str, str] | None = None, ignore_sigterm: bool = False) -> CommandResult:
+    """Run one SLURM command; raise SlurmCommandError (argv, returncode, stderr) unless it exits 0.
+    `ignore_sigterm`: the command outlives a SIGTERM (the timeout still bounds it)."""
     argv = tuple(str(a) for a in argv)
     full_env = {**os.environ, **env} if env else None
     log.info("slurm: %s", shlex.join(argv))
     started = time.monotonic()
     try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, env=full_env)
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, env=full_env,
+                              preexec_fn=_ignore_sigterm if ignore_sigterm else None)
     except FileNotFoundError as e:
         raise _error(argv, None, "", f"cannot run: {argv[0]} is not installed or not on PATH ({e})") from e
     except subprocess.TimeoutExpired as e:
@@ -179,6 +187,10 @@ def requeue(job_id: str, **kw) -> str:
     """`scontrol requeue ID` (a het job only through its leader): SIGTERM now, restart later. Returns what
     happened: the hang watchdog and the leader's drain both requeue, and the second finds the job pending
     again ("Job is pending execution"): that is the requeue done, not a failure."""
+    # Asked from inside the job (the hang watchdog, a drain), the requeue SIGTERMs every process of the job,
+    # scontrol among them: it raced its own answer and could report `exited -15` for a requeue that was done
+    # (seen in CI). Ignoring SIGTERM lets it report; SLURM's SIGKILL after KillWait still ends it.
+    kw.setdefault("ignore_sigterm", True)
     try:
         scontrol("requeue", str(job_id), **kw)
     except SlurmCommandError as e:
