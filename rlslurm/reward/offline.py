@@ -28,11 +28,14 @@ from rlslurm.reward.config import RewardConfig
 from rlslurm.reward.scorers import Item
 
 
-def read_responses(path: Path, rows: int) -> list[tuple[int, str]]:
-    """(row, response) of each line {"row": int, "response": str} of `path`; `rows` = the split's size."""
+def read_responses(path: Path, rows: int, response_key: str = "responses") -> list[tuple[int, str]]:
+    """(row, response) of each line {"row": int, "response": str} of `path`; `rows` = the split's size.
+    A `.parquet` is verl's generation output instead (read_generation_parquet)."""
     if not path.is_file():
         raise ResponsesError(f"{path}: no such file (--responses: one JSON object per line, "
-                             '{"row": <row of the split>, "response": "..."})')
+                             '{"row": <row of the split>, "response": "..."}, or verl\'s generation parquet)')
+    if path.suffix == ".parquet":
+        return read_generation_parquet(path, rows, response_key)
     out = []
     with path.open(encoding="utf-8", errors="replace") as f:
         for n, line in enumerate(f, 1):
@@ -53,6 +56,36 @@ def read_responses(path: Path, rows: int) -> list[tuple[int, str]]:
             if not isinstance(response, str):
                 raise ResponsesError(f"{where}: \"response\" must be text, got {type(response).__name__}")
             out.append((row, response))
+    if not out:
+        raise ResponsesError(f"{path}: holds no responses")
+    return out
+
+
+def read_generation_parquet(path: Path, rows: int, response_key: str = "responses") -> list[tuple[int, str]]:
+    """(row, response) of each response of verl's generation output (`verl.trainer.main_generation` writes
+    its input dataset back with a `responses` column, a list of n samples per row, which verl's offline
+    eval scores): row i of the file is row i of the split, so the file must have the split's row count."""
+    import pyarrow.parquet as pq  # one column of a file verl wrote: no dataset features, no cache to build
+
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # pyarrow raises several types for a file that is not parquet
+        raise ResponsesError(f"{path}: not a parquet file ({e})") from None
+    if response_key not in table.column_names:
+        raise ResponsesError(f"{path}: no column {response_key!r} (verl's generation output has one; name "
+                             f"another with --response-key); columns: {', '.join(table.column_names)}")
+    if table.num_rows != rows:
+        raise ResponsesError(f"{path}: {table.num_rows} rows, the split has {rows}: row i of verl's generation "
+                             "output must be row i of the split scored (--split, data.eval)")
+    out = []
+    for row, value in enumerate(table.column(response_key).to_pylist()):
+        samples = value if isinstance(value, list) else [value]
+        for n, text in enumerate(samples):
+            if not isinstance(text, str):
+                raise ResponsesError(f"{path}: row {row}, column {response_key!r}"
+                                     f"{f' sample {n}' if isinstance(value, list) else ''}: "
+                                     f"a {type(text).__name__}, not text")
+            out.append((row, text))
     if not out:
         raise ResponsesError(f"{path}: holds no responses")
     return out

@@ -250,3 +250,45 @@ def test_rlslurm_score_with_a_verl_file_and_function(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "mean reward 0.5000" in out.stdout and "pass rate 0.500 (3/6" in out.stdout, out.stdout
     assert "row 1: scored 0.0 rewards.py:compute_score: index=1" in out.stdout
+
+
+def test_rlslurm_score_reads_verls_generation_parquet(tmp_path):
+    """verl's offline eval, as verl runs it: a parquet dataset, `main_generation`'s output (the dataset again
+    with a `responses` column of n samples per row), and compute_score. Row i's samples are scored against
+    row i; a file of another length, or without the column, is refused naming both."""
+    import subprocess
+    import sys
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"What is {i}+{i}?"}],
+             "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(2 * i)},
+             "extra_info": {"split": "test", "index": i}} for i in range(5)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "test.parquet")
+    # Two samples per row: the first right, the second right on even rows only (0, 2, 4) -> 8 of 10 pass.
+    generated = [{**r, "responses": [f"#### {2 * i}", f"#### {2 * i if i % 2 == 0 else -1}"]}
+                 for i, r in enumerate(rows)]
+    pq.write_table(pa.Table.from_pylist(generated), tmp_path / "gen.parquet")
+    pq.write_table(pa.Table.from_pylist(generated[:3]), tmp_path / "short.parquet")
+    (tmp_path / "rewards.py").write_text(VERL_GSM8K)
+    (tmp_path / "job.yaml").write_text(
+        "job: {name: verl-eval, kind: rl}\nplacement: {mode: colocate}\nhardware: {nodes: 1, gpus_per_node: 1}\n"
+        "data: {train: test.parquet, eval: test.parquet}\n"
+        "reward: {scorer: function, function: rewards.py, service: local}\n")
+
+    def score(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "rlslurm.cli.main", "score", "job.yaml", *args], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120)
+
+    out = score("--responses", "gen.parquet", "--out", "scored.jsonl")
+    assert out.returncode == 0, out.stderr
+    assert "10 responses" in out.stdout and "pass rate 0.800 (8/10" in out.stdout, out.stdout
+    scored = [json.loads(line) for line in (tmp_path / "scored.jsonl").read_text().splitlines()]
+    assert [(s["row"], s["score"]) for s in scored] == [(0, 1.0), (0, 1.0), (1, 1.0), (1, 0.0), (2, 1.0), (2, 1.0),
+                                                        (3, 1.0), (3, 0.0), (4, 1.0), (4, 1.0)]
+    short = score("--responses", "short.parquet")
+    assert short.returncode == 2 and "short.parquet: 3 rows, the split has 5" in short.stderr, short.stderr
+    no_column = score("--responses", "gen.parquet", "--response-key", "answers")
+    assert no_column.returncode == 2 and "no column 'answers'" in no_column.stderr, no_column.stderr
+    assert "Traceback" not in short.stderr + no_column.stderr

@@ -17,7 +17,7 @@ SURFACE = {
     "report": ["--json", "--out", "--run-root"],
     "resume": ["--backend", "--force", "--run-root", "--set", "--wait"],
     "plan": ["--explain", "--json", "--set"],
-    "score": ["--out", "--pass-at", "--responses", "--set", "--show", "--split"],
+    "score": ["--out", "--pass-at", "--response-key", "--responses", "--set", "--show", "--split"],
     "status": ["--follow", "--json", "--run-root"],
     "submit": ["--backend", "--dry-run", "--force", "--run-root", "--set", "--wait"],
     "validate": ["--print", "--set"],
