@@ -286,6 +286,7 @@ class Controller:
             m, exp = int(entry["step"]), Experience.from_json(entry["experience"])
             if m >= step and max((version + m - step - v for v in exp.response_versions), default=0) <= k:
                 buffered[m] = exp
+                self.stream.restored(m, exp.stats.get("data_bad_rows", 0))
         self.pipeline = ExperiencePipeline(self._rollout_step, self._finish_step, max_staleness=k,
                                            first_step=step, last_step=self.job.train.steps, buffered=buffered,
                                            threaded=os.environ.get(THREADED_ENV) == "1" or None).start()

@@ -68,6 +68,12 @@ class PromptStream:
         with self._lock:
             self.start_step, self.start_position, self._steps = step, position, {}
 
+    def restored(self, step: int, bad: int) -> None:
+        """Step `step`'s prompts came from a checkpoint's experience made ahead (rl.max_staleness), not from a
+        draw in this start: their rows count as drawn here, as they did in the uninterrupted run."""
+        with self._lock:
+            self._steps[step] = (self.per_step, int(bad))
+
     def position(self, step: int) -> int:
         return self.start_position + (step - self.start_step) * self.per_step
 

@@ -90,3 +90,16 @@ def test_a_step_of_only_bad_rows_is_an_error():
     stream = _stream(_table(4, bad={0, 1, 2, 3}), share=1.0)
     with pytest.raises(DataError, match="step 0: every one of its 4 rows broke the data layout's rules"):
         stream.draw(0)
+
+
+def test_steps_restored_from_a_checkpoints_experience_count_as_drawn():
+    """With the rollout running ahead (rl.max_staleness), a checkpoint at boundary 3 carries step 3's experience:
+    the resumed start does not draw step 3 again, yet its rows (and bad rows) count as in the uninterrupted run."""
+    table = _table(10, bad={2, 7})
+    stream = _stream(table)
+    drawn = [stream.draw(s) for s in range(5)]
+    resumed = _stream(table)
+    resumed.resume(3, stream.state(3))
+    resumed.restored(3, drawn[3].bad)
+    resumed.draw(4)
+    assert resumed.state(5) == stream.state(5)
