@@ -246,6 +246,11 @@ class Controller:
             # there (rollout.request_timeout_s)
             timeout_s = self.job.diag.hang_timeout_s + self.job.rollout.request_timeout_s
             return self.pipeline.await_sync(step, timeout_s) and bool(self.engines.admitted())
+        return self._replacement_synced(step)
+
+    def _replacement_synced(self, step: int) -> bool:
+        """The trainer's thread, no engine left: the supervisor's replacement awaited (rollout.request_timeout_s,
+        Engines.returning), synced to the version the engines served and VERIFIED, readmitted; True once back."""
         version = self.engines.version
         log.warning("no engine left in rotation at step %d: waiting for a replacement, to sync it to version %d",
                     step, version)
@@ -443,7 +448,10 @@ class Controller:
         """Greedy decoding of the first rl.eval_rows held-out rows by the policy the engines serve now, scored
         by the task's exact rule or, for a user's rows, by the configured reward: {held_out_accuracy (the pass
         rate), eval_reward_mean, eval_pass_rate (full marks: reward >= 1), eval_rows}. Asked of the first engine
-        in rotation; one that fails is taken out and the next one asked (none left: the last error fails the job)."""
+        in rotation; one that fails is taken out and the next one asked. None left (a lone engine lost): its
+        replacement is awaited and synced to the served version as mid-rollout; only where that cannot be done
+        does the error fail the job. This is the trainer's thread at a step boundary, where the engines serve
+        the trainer's own version, so the replacement is synced here whatever rl.max_staleness is."""
         from rlslurm.rollout.client import EngineRequestError
 
         rows = [self.held_out.try_sample(i) for i in range(min(len(self.held_out), self.job.rl.eval_rows))]
@@ -458,7 +466,10 @@ class Controller:
                 break
             except EngineRequestError as e:
                 self.engines.take_out(i, e, resent=len(prompts))
-                if not self.engines.admitted():
+                if self.engines.admitted():
+                    continue
+                if self.current_weights is None or self.engines.version is None or self.stopping() \
+                        or not self._replacement_synced(step):
                     raise
         texts = [c["text"] for c in out["choices"]]
         if self.data:

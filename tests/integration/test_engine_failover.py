@@ -270,3 +270,33 @@ def test_a_lone_engine_lost_in_the_middle_of_a_weight_sync_is_replaced_and_the_s
     assert back["version"] == 3 and restarted["t"] < verified[-1]["t"] <= back["t"], (back, restarted, verified)
     wait_for("no process of the run left", lambda: not run_processes(Path(run)), 30)
     print(f"\nMEASURE lone engine lost in the sync to version 3: died -> readmitted {back['t'] - died['t']:.1f} s")
+
+
+def test_a_lone_engine_lost_during_the_held_out_evaluation_is_replaced_and_the_evaluation_made_on_it(tmp_path):
+    """Issue 28, case 1 in the evaluation (found by a HumanEval run whose engine was killed as hung in the first
+    evaluation: the job failed with engine_failed). The lone engine SIGKILLed while it decodes the evaluation
+    before step 1: the controller waits for the replacement, syncs it to version 0, VERIFIES and readmits it,
+    and asks it the same rows. The job finishes COMPLETED with the evaluation of every row."""
+    from procs import run_processes
+
+    job = load_config(EXAMPLE, ("train.steps=2", "rl.prompts_per_step=16", "rl.eval_every=100",
+                                "task.eval_size=1000", "rl.eval_rows=1000", "rollout.max_new_tokens=24",
+                                "checkpoint.interval_steps=1000"))
+    assert job.rollout.engines == 1
+    sub = launch.submit(job, config_text=EXAMPLE.read_text(), backend="local", run_root=tmp_path)
+    run = sub.run_dir
+    # No step yet: the only generation in flight is the evaluation before step 1.
+    killed, killed_at = _fault_mid_rollout(run, 0, 0, signal.SIGKILL)
+    results = launch.wait(sub, timeout_s=300, poll_s=0.2)
+    assert [int(code) for code in results] == [0] * len(results), f"ended {results}; see {run}"
+    r = RunDir(run)
+    assert not events.read_events(r, events.ENGINE_FAILED)
+    (died,) = events.read_events(r, events.ENGINE_DIED)
+    (back,) = events.read_events(r, events.ENGINE_READMITTED)
+    assert died["pid"] == killed and back["version"] == 0, (died, back)
+    (first,) = events.read_events(r, events.EVAL)  # the one before step 1; the last step's is in its metrics
+    assert first["step"] == 0 and first["eval_rows"] == 1000 and first["t"] > back["t"], (first, back)
+    steps = _steps(run)
+    assert [s["step"] for s in steps] == [1, 2] and steps[-1]["eval_rows"] == 1000
+    wait_for("no process of the run left", lambda: not run_processes(Path(run)), 30)
+    print(f"\nMEASURE lone engine lost in the evaluation: SIGKILL -> readmitted {back['t'] - killed_at:.1f} s")
