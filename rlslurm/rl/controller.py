@@ -349,9 +349,17 @@ class Controller:
             except SyncStageError as e:
                 cause = self.engines.culprit(e)
                 urls = [self.engines.clients[i].url for i in members]
-                if cause is None or cause.url not in urls:
-                    raise
-                i = members.pop(urls.index(cause.url))
+                if cause is not None and cause.url in urls:
+                    i = members.pop(urls.index(cause.url))
+                else:
+                    # No request named an engine: a collective failed on the trainer's side first (a peer of the
+                    # broadcast died, or the stage ran past sync.timeout_s). The member that no longer answers is
+                    # the one lost (seen in CI: an engine killed past its budget as a sync took it back).
+                    i = self.engines.unanswering(members)
+                    if i is None:
+                        raise
+                    members.remove(i)
+                    cause = e
                 self.engines.take_out(i, cause, resent=0)
                 self.transport.close()
                 if not members:

@@ -165,6 +165,19 @@ class Engines:
         events.emit(self.run, events.ENGINE_OUT, role="controller", engine=i, url=url, cause=said, resent=resent,
                     **fields)
 
+    def unanswering(self, members: list[int]) -> int | None:
+        """The first of `members` that gives no healthy /health answer (dead, stopped), or None: the engine a
+        failed sync stage lost when no request named it (the trainer's side of a broadcast failed first)."""
+        from rlslurm.rollout.client import EngineRequestError
+
+        for i in members:
+            client = self.clients[i]
+            try:
+                getattr(client, "live", client.health)(timeout_s=2.0)  # vLLM: its own /health only
+            except EngineRequestError:
+                return i
+        return None
+
     def returning(self, poll_s: float = 0.2) -> list[int]:
         """Engines out of rotation that serve again (replaced by their supervisor, or answering /health): the
         next sync takes them along. Waits (bounded by rollout.request_timeout_s) while a supervisor has not

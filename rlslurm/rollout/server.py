@@ -63,17 +63,21 @@ DATA_PATHS = ("/v1/completions", "/v1/models")
 ADMIN_BODY_BYTES = 64 << 20  # a manifest of schema.MAX_TENSORS tensors fits
 POLL_S = 0.1  # how often a waiting request looks for its caller's disconnect
 DIE_IN_SYNC_ENV = "RLSLURM_TEST_ENGINE_DIE_IN_SYNC"
-"""Tests only: `<version>:<marker file>`: the first engine asked to drain for a sync while it serves `version` or
-later SIGKILLs itself there (once: it creates the marker first, so its replacement syncs): an engine lost in the
-middle of a weight sync, which no outside timing can hit reliably (a tiny model's sync takes milliseconds)."""
+"""Tests only: `<version>:[update:]<marker file>`: the first engine asked to drain for a sync (with `update:`, to
+receive a broadcast update) while it serves `version` or later SIGKILLs itself there (once: it creates the marker
+first, so its replacement syncs): an engine lost in the middle of a weight sync, which no outside timing can hit
+reliably (a tiny model's sync takes milliseconds)."""
 
 
-def _die_in_sync_if_asked(version: int | None) -> None:
+def _die_in_sync_if_asked(version: int | None, stage: str = "drain") -> None:
     fault = os.environ.get(DIE_IN_SYNC_ENV)
     if not fault or version is None:
         return
     at, _, marker = fault.partition(":")
-    if version >= int(at):
+    wanted = "drain"
+    if marker.startswith("update:"):
+        wanted, marker = "update", marker.removeprefix("update:")
+    if stage == wanted and version >= int(at):
         try:
             open(marker, "x").close()
         except FileExistsError:
@@ -270,6 +274,7 @@ def build_app(server: EngineServer, token: str, *, open_data: bool = False,
         if server.group is None:
             raise HTTPException(409, "no broadcast group: call /admin/broadcast/join first")
         group, manifest = server.group, [m.model_dump() for m in body.manifest]
+        _die_in_sync_if_asked(engine.version, "update")
         try:
             return server.receive(lambda landing: group.receive(manifest, body.bucket_bytes, landing))
         except RuntimeError as e:

@@ -300,3 +300,36 @@ def test_a_lone_engine_lost_during_the_held_out_evaluation_is_replaced_and_the_e
     assert [s["step"] for s in steps] == [1, 2] and steps[-1]["eval_rows"] == 1000
     wait_for("no process of the run left", lambda: not run_processes(Path(run)), 30)
     print(f"\nMEASURE lone engine lost in the evaluation: SIGKILL -> readmitted {back['t'] - killed_at:.1f} s")
+
+
+def test_an_engine_lost_in_a_broadcast_update_is_taken_out_and_the_sync_made_over_the_rest(tmp_path, monkeypatch):
+    """Two engines; one SIGKILLs itself as the broadcast update to version 3 reaches it (a test hook). No request
+    names it (the trainer's side of the collective fails first), so the controller asks which member no longer
+    answers, takes it out and makes the sync again over the other; its replacement is readmitted by a later
+    VERIFIED sync. Before, the sync failed the job (seen in CI: an engine killed as a sync took it back)."""
+    from procs import run_processes
+    from rlslurm.rollout.server import DIE_IN_SYNC_ENV
+
+    marker = tmp_path / "died-in-update"
+    monkeypatch.setenv(DIE_IN_SYNC_ENV, f"2:update:{marker}")
+    job = load_config(EXAMPLE, ("rollout.engines=2", "train.steps=6", "rl.prompts_per_step=16",
+                                "rl.eval_every=100", "task.eval_size=16", "checkpoint.interval_steps=1000"))
+    assert job.sync.method in ("auto", "broadcast")
+    sub = launch.submit(job, config_text=EXAMPLE.read_text(), backend="local", run_root=tmp_path)
+    results = launch.wait(sub, timeout_s=300, poll_s=0.2)
+    run = sub.run_dir
+    assert [int(code) for code in results] == [0] * len(results), f"ended {results}; see {run}"
+    assert marker.exists()  # an engine did die in the update
+    r = RunDir(run)
+    assert [s["step"] for s in _steps(run)] == list(range(1, 7))
+    assert not events.read_events(r, events.ENGINE_FAILED)
+    (died,) = events.read_events(r, events.ENGINE_DIED)
+    (out,) = [e for e in events.read_events(r, events.ENGINE_OUT) if e["engine"] == died["engine"]]
+    (back,) = events.read_events(r, events.ENGINE_READMITTED)
+    assert back["engine"] == died["engine"] and back["version"] > 3 and out["t"] < back["t"], (out, back)
+    failed = events.read_events(r, events.SYNC_FAILED)
+    assert [f["stage"] for f in failed] == ["update"] and failed[0]["version"] == 3, failed
+    assert any(e["version"] == 3 for e in events.read_events(r, events.SYNC_VERIFIED))  # made over the survivor
+    wait_for("no process of the run left", lambda: not run_processes(Path(run)), 30)
+    print(f"\nMEASURE engine lost in a broadcast update: out {out['t'] - died['t']:+.1f} s from its death, "
+          f"readmitted {back['t'] - died['t']:.1f} s after")
