@@ -237,7 +237,7 @@ class Controller:
         brings the replacement back at its own version (pipeline.await_sync). True once an engine is back;
         False where it cannot be done (no weights; this rank drains: SLURM takes the engines' component too,
         and the drain needs the KillWait)."""
-        if self.current_weights is None or self.engines.version is None or self.stopping():
+        if not self._can_bring_back():
             return False
         if self.job.rl.max_staleness:
             log.warning("no engine left in rotation in step %d's rollout: waiting for the trainer's next sync to "
@@ -247,6 +247,10 @@ class Controller:
             timeout_s = self.job.diag.hang_timeout_s + self.job.rollout.request_timeout_s
             return self.pipeline.await_sync(step, timeout_s) and bool(self.engines.admitted())
         return self._replacement_synced(step)
+
+    def _can_bring_back(self) -> bool:
+        """A replacement can be synced: weights to sync it to, a version the engines served, and no drain."""
+        return self.current_weights is not None and self.engines.version is not None and not self.stopping()
 
     def _replacement_synced(self, step: int) -> bool:
         """The trainer's thread, no engine left: the supervisor's replacement awaited (rollout.request_timeout_s,
@@ -476,8 +480,7 @@ class Controller:
                 self.engines.take_out(i, e, resent=len(prompts))
                 if self.engines.admitted():
                     continue
-                if self.current_weights is None or self.engines.version is None or self.stopping() \
-                        or not self._replacement_synced(step):
+                if not (self._can_bring_back() and self._replacement_synced(step)):
                     raise
         texts = [c["text"] for c in out["choices"]]
         if self.data:
