@@ -201,6 +201,28 @@ def test_an_engine_past_its_budget_leaves_the_rotation_and_the_job_finishes_on_t
           f"-> engine_down {down['t'] - down_at:.2f} s, -> out of rotation {gone[0]['t'] - down['t']:.2f} s")
 
 
+def _dying_in_sync(tmp_path: Path, monkeypatch, stage: str, overrides: tuple[str, ...], *, engines: int, steps: int):
+    """A run whose engine SIGKILLs itself once in the sync to version 3 (`stage` "" = its drain, "update:" = the
+    broadcast update; rollout/server.py DIE_IN_SYNC_ENV), waited for: it must end COMPLETED with every step once
+    and no engine_failed. (run dir, RunDir)."""
+    from rlslurm.rollout.server import DIE_IN_SYNC_ENV
+
+    marker = tmp_path / "died-in-sync"
+    monkeypatch.setenv(DIE_IN_SYNC_ENV, f"2:{stage}{marker}")
+    job = load_config(EXAMPLE, ("rl.prompts_per_step=16", "rl.eval_every=100", "task.eval_size=16",
+                                "checkpoint.interval_steps=1000", *overrides))
+    assert job.rollout.engines == engines and job.sync.method in ("auto", "broadcast")
+    sub = launch.submit(job, config_text=EXAMPLE.read_text(), backend="local", run_root=tmp_path)
+    results = launch.wait(sub, timeout_s=300, poll_s=0.2)
+    run = sub.run_dir
+    assert [int(code) for code in results] == [0] * len(results), f"ended {results}; see {run}"
+    assert marker.exists()  # the engine did die in the sync
+    r = RunDir(run)
+    assert [s["step"] for s in _steps(run)] == list(range(1, steps + 1))
+    assert not events.read_events(r, events.ENGINE_FAILED)
+    return run, r
+
+
 def test_a_lone_engine_killed_or_stopped_is_replaced_resynced_and_verified_while_the_trainer_waits(tmp_path):
     """Issue 28, case 1: rollout.engines 1 and rl.max_staleness 1 (both the defaults; the rollout runs one step
     ahead of training). Its engine SIGKILLed mid-rollout, later SIGSTOPped mid-rollout: no engine is left in
@@ -248,21 +270,8 @@ def test_a_lone_engine_lost_in_the_middle_of_a_weight_sync_is_replaced_and_the_s
     (a test hook: a tiny model's sync takes milliseconds). The controller takes it out, waits for its supervisor's
     replacement, makes the sync again over it, VERIFIES and readmits it; every step runs once, COMPLETED."""
     from procs import run_processes
-    from rlslurm.rollout.server import DIE_IN_SYNC_ENV
 
-    marker = tmp_path / "died-in-sync"
-    monkeypatch.setenv(DIE_IN_SYNC_ENV, f"2:{marker}")
-    job = load_config(EXAMPLE, ("train.steps=5", "rl.prompts_per_step=16", "rl.eval_every=100", "task.eval_size=16",
-                                "checkpoint.interval_steps=1000"))
-    assert job.rollout.engines == 1
-    sub = launch.submit(job, config_text=EXAMPLE.read_text(), backend="local", run_root=tmp_path)
-    results = launch.wait(sub, timeout_s=300, poll_s=0.2)
-    run = sub.run_dir
-    assert [int(code) for code in results] == [0] * len(results), f"ended {results}; see {run}"
-    assert marker.exists()  # the engine did die in the sync
-    r = RunDir(run)
-    assert [s["step"] for s in _steps(run)] == list(range(1, 6))
-    assert not events.read_events(r, events.ENGINE_FAILED)
+    run, r = _dying_in_sync(tmp_path, monkeypatch, "", ("train.steps=5",), engines=1, steps=5)
     (died,) = events.read_events(r, events.ENGINE_DIED)
     (restarted,) = events.read_events(r, events.ENGINE_RESTARTED)
     (back,) = events.read_events(r, events.ENGINE_READMITTED)
@@ -308,21 +317,9 @@ def test_an_engine_lost_in_a_broadcast_update_is_taken_out_and_the_sync_made_ove
     answers, takes it out and makes the sync again over the other; its replacement is readmitted by a later
     VERIFIED sync. Before, the sync failed the job (seen in CI: an engine killed as a sync took it back)."""
     from procs import run_processes
-    from rlslurm.rollout.server import DIE_IN_SYNC_ENV
 
-    marker = tmp_path / "died-in-update"
-    monkeypatch.setenv(DIE_IN_SYNC_ENV, f"2:update:{marker}")
-    job = load_config(EXAMPLE, ("rollout.engines=2", "train.steps=6", "rl.prompts_per_step=16",
-                                "rl.eval_every=100", "task.eval_size=16", "checkpoint.interval_steps=1000"))
-    assert job.sync.method in ("auto", "broadcast")
-    sub = launch.submit(job, config_text=EXAMPLE.read_text(), backend="local", run_root=tmp_path)
-    results = launch.wait(sub, timeout_s=300, poll_s=0.2)
-    run = sub.run_dir
-    assert [int(code) for code in results] == [0] * len(results), f"ended {results}; see {run}"
-    assert marker.exists()  # an engine did die in the update
-    r = RunDir(run)
-    assert [s["step"] for s in _steps(run)] == list(range(1, 7))
-    assert not events.read_events(r, events.ENGINE_FAILED)
+    run, r = _dying_in_sync(tmp_path, monkeypatch, "update:", ("rollout.engines=2", "train.steps=6"),
+                            engines=2, steps=6)
     (died,) = events.read_events(r, events.ENGINE_DIED)
     (out,) = [e for e in events.read_events(r, events.ENGINE_OUT) if e["engine"] == died["engine"]]
     (back,) = events.read_events(r, events.ENGINE_READMITTED)
