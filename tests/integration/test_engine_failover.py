@@ -233,9 +233,11 @@ def test_a_lone_engine_killed_or_stopped_is_replaced_resynced_and_verified_while
     tests/cluster/test_engine_failover_slurm.py's and the next test's."""
     import psutil
 
+    # train.step_delay_s: after the readmission the tiny model ran its last 3 steps in 0.8 s and the SIGSTOP found
+    # no rollout to stop (CI); the delay leaves each step's rollout to be caught.
     job = load_config(EXAMPLE, ("train.steps=6", "rl.max_staleness=1", "rl.prompts_per_step=16",
                                 "rollout.max_new_tokens=24", "rl.eval_every=100", "task.eval_size=16",
-                                "checkpoint.interval_steps=1000",
+                                "checkpoint.interval_steps=1000", "train.step_delay_s=0.3",
                                 f"rollout.hang_timeout_s={HANG_TIMEOUT_S}"))
     assert job.rollout.engines == 1
     sub = launch.submit(job, config_text=EXAMPLE.read_text(), backend="local", run_root=tmp_path)
