@@ -62,7 +62,7 @@ from rlslurm.lifecycle import ExitCode
 from rlslurm.metrics_sinks import MetricsLog
 from rlslurm.rundir import RunDir
 from rlslurm.tinymodel import build_model, load_hf, save_hf
-from rlslurm.train_config import TrainConfig
+from rlslurm.train_config import TrainConfig, adamw
 
 
 def batch_indices(n_examples: int, global_batch: int, seed: int, step: int, rank: int, world: int) -> list[int]:
@@ -205,7 +205,7 @@ def build_state(job: JobConfig, topo: Topology):
         model = build_model(job.model, seed=job.train.seed)
     # DDP broadcasts rank 0's weights at construction, so ranks start equal even if init differed.
     ddp = DistributedDataParallel(model.to(compute_device()))
-    optimizer = torch.optim.AdamW(ddp.parameters(), lr=job.train.lr, weight_decay=job.train.weight_decay)
+    optimizer = adamw(ddp.module, job.train)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(job.train, s))
     return SFTState(model=ddp, optimizer=optimizer, scheduler=scheduler, grad_clip=job.train.grad_clip)
 

@@ -37,7 +37,8 @@ class TrainConfig:
     eval_every_steps: int = 25
     """SFT: optimizer steps between two dev-split evaluations of train.stop_at_accuracy. Range [1, 1e8]."""
     weight_decay: float = 0.0
-    """AdamW decoupled weight decay. Range [0, 10]."""
+    """AdamW decoupled weight decay of the weight matrices (not of norms and biases, as Megatron-core's
+    optimizer does too). Range [0, 10]."""
     dist_timeout_s: float = 1800.0
     """Seconds a rank waits for its peers in the process group (join and collectives) before failing; it must
     outlast the watchdog (the longest trainer phase timeout of diag + one poll), which names the hung rank
@@ -74,3 +75,18 @@ class TrainConfig:
         check_range(self.step_delay_s, "step_delay_s", 0, 3600, note="seconds")
         check_range(self.max_restarts, "max_restarts", 0, 100)
         check_range(self.exit_grace_s, "exit_grace_s", 0, 86_400, low_open=True, note="seconds")
+
+
+def adamw(model, train: TrainConfig):
+    """The torch trainers' AdamW at train.lr: weight decay on matrices only, the parameter groups Megatron-core
+    builds (a 1-D parameter or a bias keeps wd_mult 0), so both backends decay the same tensors. With no decay,
+    one group, as optimizer states saved before this split hold."""
+    import torch  # here, not at the top: the CLI reads configs without loading torch
+
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if train.weight_decay == 0:
+        return torch.optim.AdamW([p for _, p in params], lr=train.lr, weight_decay=0.0)
+    plain = [p for n, p in params if p.ndim == 1 or n.endswith(".bias")]
+    decayed = [p for n, p in params if not (p.ndim == 1 or n.endswith(".bias"))]
+    return torch.optim.AdamW([{"params": decayed, "weight_decay": train.weight_decay},
+                              {"params": plain, "weight_decay": 0.0}], lr=train.lr)

@@ -91,6 +91,11 @@ def build_trainer(model: ModelConfig, layout: Layout, cfg: MegatronTrainConfig, 
                             weight_decay=weight_decay, use_distributed_optimizer=cfg.distributed_optimizer),
             [ddp],
         )
+        # Megatron gives norms and biases wd_mult 0, but only its OptimizerParamScheduler applies wd_mult (each
+        # step); the lr is set here without it (train_step), so the multiplier is applied once, now: the same
+        # tensors decay as under the torch trainer (rlslurm/train_config.py adamw).
+        for group in optimizer.param_groups:
+            group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)
     return ddp, optimizer
 
 

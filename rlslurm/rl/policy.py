@@ -28,6 +28,7 @@ from rlslurm.rl.experience import Sample
 from rlslurm.rl.objective import Packed, UpdateStats, behaviour_logprobs, grpo_objective, kl_to_reference, pack
 from rlslurm.tinymodel import load_hf
 from rlslurm.tokenizer import PAD_ID
+from rlslurm.train_config import adamw
 
 
 class RLPolicy(abc.ABC):
@@ -62,8 +63,7 @@ class Policy(RLPolicy):
         self.device = compute_device()
         self.model = model.float().to(self.device)
         self.ddp = DistributedDataParallel(self.model) if topo.world_size > 1 else self.model
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=job.train.lr,
-                                           weight_decay=job.train.weight_decay)
+        self.optimizer = adamw(self.model, job.train)
         self.reference = None
         if job.rl.kl_coef > 0:
             self.reference, _ = load_hf(model_dir)
