@@ -83,10 +83,10 @@ def adamw(model, train: TrainConfig):
     one group, as optimizer states saved before this split hold."""
     import torch  # here, not at the top: the CLI reads configs without loading torch
 
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if train.weight_decay == 0:
-        return torch.optim.AdamW([p for _, p in params], lr=train.lr, weight_decay=0.0)
-    plain = [p for n, p in params if p.ndim == 1 or n.endswith(".bias")]
-    decayed = [p for n, p in params if not (p.ndim == 1 or n.endswith(".bias"))]
+        return torch.optim.AdamW(model.parameters(), lr=train.lr, weight_decay=0.0)
+    decayed, plain = [], []
+    for name, p in model.named_parameters():
+        (plain if p.ndim == 1 or name.endswith(".bias") else decayed).append(p)
     return torch.optim.AdamW([{"params": decayed, "weight_decay": train.weight_decay},
                               {"params": plain, "weight_decay": 0.0}], lr=train.lr)
