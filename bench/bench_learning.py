@@ -90,8 +90,8 @@ def one(cap: str, seed: int, root: Path, reuse_sft: bool = False, rl_sets: tuple
                        [f"train.seed={seed}", f"train.init_from={sft / 'export' / 'hf'}", *rl_sets])
     evals = [r for r in _metrics(rl) if "held_out_accuracy" in r]
     rl_acc = evals[-1]["held_out_accuracy"]
-    return {"cap": cap, "seed": seed, "sft_steps": sft_eval["step"], "sft": sft_eval["heldout_accuracy"],
-            "rl": rl_acc, "gain": rl_acc - sft_eval["heldout_accuracy"], "sft_s": sft_s, "rl_s": rl_s,
+    return {"cap": cap, "seed": seed, "sft_steps": sft_eval["step"], "sft": sft_eval["held_out_accuracy"],
+            "rl": rl_acc, "gain": rl_acc - sft_eval["held_out_accuracy"], "sft_s": sft_s, "rl_s": rl_s,
             "load": load, "sft_run": str(sft), "rl_run": str(rl)}
 
 

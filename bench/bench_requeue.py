@@ -75,7 +75,7 @@ def _one_job(trigger: str, repeats: int, folder: Path, kick, log) -> list[dict]:
     """Submit a toy job, fire `trigger` `repeats` times (each after the restart trained 3 steps), finish it."""
     from rlslurm import launch
     from rlslurm.config import load_config
-    from rlslurm.diag.watchdog import request_drain
+    from rlslurm.diag.drain_gate import request_drain
     from rlslurm.events import DONE, FIRST_STEP, read_events
     from rlslurm.rundir import RunDir, read_jsonl
     from rlslurm.slurm import commands

@@ -26,8 +26,8 @@ import httpx
 
 from rlslurm.reward.client import RewardClient
 from rlslurm.reward.config import RewardConfig, SandboxConfig
+from rlslurm.reward.items import Item
 from rlslurm.reward.sandbox import Sandbox
-from rlslurm.reward.scorers import Item
 from rlslurm.reward.supervisor import RewardSupervisor, free_port
 
 

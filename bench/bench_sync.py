@@ -206,7 +206,7 @@ def start_engine(engine: str, model_dir: Path, folder: Path):
     (RLSLURM_VLLM_PYTHON, else .venv-vllm), synced through vLLM's RL routes (rlslurm/rollout/vllm_serve.py)."""
     import os
 
-    from rlslurm.rollout.client import spawn_engine
+    from rlslurm.rollout.launcher import spawn_engine
     from rlslurm.sync.broadcast import free_port
 
     if engine == "vllm":

@@ -14,8 +14,8 @@ only the run directory:
     the first sync (the engines take the starting policy) and one per step;
   - its transport and update GB/s (`sync_update_gbps`, bytes over the UPDATE stage's seconds), and
     whether it went over NCCL (the broadcast transport on a CUDA machine: the `env` fingerprints say);
-  - the trainer's measured peak GPU memory per step (`train_peak_allocated_gb`, `train_peak_reserved_gb`
-    in metrics.jsonl, from the Megatron policy) against the plan's predicted trainer peak per GPU for the
+  - the trainer's measured peak GPU memory per step (`trainer_peak_gb`, `trainer_reserved_gb` in
+    metrics.jsonl, rlslurm/memory_meter.py) against the plan's predicted trainer peak per GPU for the
     chosen split (plan.json: what `rlslurm plan --json` printed at submit).
 It exits 0 only when the job finished every step and every sync passed VERIFY. NOT RUN ON A GPU YET.
 """
@@ -103,6 +103,12 @@ def _on_cuda(run: Path) -> bool:
     return path.is_file() and json.loads(path.read_text()).get("nccl") is not None
 
 
+def _figures(metrics: list[dict], key: str, old_key: str) -> list[float]:
+    """Every step's non-null `key` (or, in a run written before it, `old_key`)."""
+    values = (m.get(key, m.get(old_key)) for m in metrics)
+    return [v for v in values if v is not None]
+
+
 def summarize(run_dir: str | Path, *, install_s: float | None = None, run_s: float | None = None,
               cpu: bool = False) -> Summary:
     """What the smoke test checks, read from a finished run directory (`cpu`: the dry run, whose trainer's
@@ -128,8 +134,9 @@ def summarize(run_dir: str | Path, *, install_s: float | None = None, run_s: flo
                                    f"{e.get('reason') or e.get('mismatches') or e.get('stage')}")
     s.nccl = any(x.transport == "broadcast" for x in s.syncs) and _on_cuda(run)
     s.predicted_peak_gb, s.predicted_terms = _predicted(plan)
-    allocated = [m["train_peak_allocated_gb"] for m in metrics if "train_peak_allocated_gb" in m]
-    reserved = [m["train_peak_reserved_gb"] for m in metrics if "train_peak_reserved_gb" in m]
+    # trainer_peak_gb / trainer_reserved_gb (rlslurm/memory_meter.py); runs from before the meter: train_peak_*.
+    allocated = _figures(metrics, "trainer_peak_gb", "train_peak_allocated_gb")
+    reserved = _figures(metrics, "trainer_reserved_gb", "train_peak_reserved_gb")
     s.measured_peak_allocated_gb = max(allocated) if allocated else None
     s.measured_peak_reserved_gb = max(reserved) if reserved else None
 
@@ -141,8 +148,8 @@ def summarize(run_dir: str | Path, *, install_s: float | None = None, run_s: flo
         s.problems.append(f"{len(s.sync_failures)} sync failures: {s.sync_failures[0]}")
     if len(s.syncs) < steps_wanted + 1:  # the first sync, then one per step
         s.problems.append(f"{len(s.syncs)} verified syncs, expected {steps_wanted + 1} (the first + one per step)")
-    if s.measured_peak_allocated_gb is None and not (cpu and any("train_peak_rss_gb" in m for m in metrics)):
-        s.problems.append("no train_peak_allocated_gb in metrics.jsonl: was train.backend megatron?")
+    if s.measured_peak_allocated_gb is None and not (cpu and _figures(metrics, "rss_peak_gb", "train_peak_rss_gb")):
+        s.problems.append("no trainer_peak_gb in metrics.jsonl: no step was metered")
     return s
 
 
@@ -268,7 +275,7 @@ def check_record(s: Summary, *, cpu: bool, sampler: GpuSampler | None, tests: di
         found = [gb for name, gb in per_process.items() if name.startswith(prefix)]
         return max(found) if found else None
 
-    rss = [m["train_peak_rss_gb"] for m in metrics if "train_peak_rss_gb" in m]
+    rss = _figures(metrics, "rss_peak_gb", "train_peak_rss_gb")
     memory = {
         "trainer": {"predicted_peak_gb": s.predicted_peak_gb, "predicted_terms": s.predicted_terms,
                     "measured_allocated_gb": s.measured_peak_allocated_gb,

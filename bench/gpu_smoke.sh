@@ -8,7 +8,7 @@
 # 1. nvidia-smi (skipped with --cpu);
 # 2. installs the carried wheels, rlslurm's own among them: pip install --no-index --no-deps --target
 #    OUT_DIR/site WHEELS/*.whl, then everything runs with PYTHONPATH=OUT_DIR/site from OUT_DIR (the
-#    installed rlslurm, not the checkout's tree);
+#    installed rlslurm, not the checkout's tree: no bare `jobs`/`diag`, as tests/installed.py checks CI's);
 # 3. the GPU-marked tests (pytest -m gpu; with --cpu they skip and their collection is what runs);
 # 4. examples/tiny-grpo-gpu.yaml: a 2-step RL job, the Megatron trainer and the transformers engine colocated
 #    on cuda, weights synced over CUDA IPC (with --cpu: hardware.profile cpu, ipc over shared memory) through
@@ -62,10 +62,16 @@ export PYTHONPATH="$out/site${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 PYTHON
 install_s=$((SECONDS - t0))
 cd "$out"  # from here on the installed rlslurm is the one that imports
 "$py" - "$cpu" <<'EOF' | tee "$out/versions.txt"
-import sys, torch, transformers, megatron.core, rlslurm
+import importlib.util, sys, torch, transformers, megatron.core, rlslurm
+# As tests/installed.py checks the CI's install: the wheel's rlslurm, both entrances import, and no bare
+# `jobs` or `diag` (the checkout's folders, which install as rlslurm.jobs and rlslurm.diag) is on the path.
+import rlslurm.jobs.sft, rlslurm.jobs.rl, rlslurm.diag.watchdog
 where = rlslurm.__file__
 if "/site/" not in where:
     sys.exit(f"gpu_check: rlslurm imports from {where}, not from the installed wheels")
+bare = [name for name in ("jobs", "diag") if importlib.util.find_spec(name) is not None]
+if bare:
+    sys.exit(f"gpu_check: {', '.join(bare)} import by a bare name: the checkout is on the path, not only the wheel")
 if sys.argv[1] == "0" and not torch.cuda.is_available():
     sys.exit(f"gpu_check: torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU")
 gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU (--cpu)"

@@ -42,6 +42,7 @@ from rlslurm.diag.stack_dump import dump_stack, py_spy_binary
 from rlslurm.errors import RlslurmError, SlurmParseError
 from rlslurm.layout import JobLayout
 from rlslurm.node import node_name
+from rlslurm.outfile import replacing
 from rlslurm.rundir import RunDir, find_run, read_jsonl, submitted_backend
 from rlslurm.slurm import commands, parse
 
@@ -296,7 +297,7 @@ def collect(target: str | Path, *, run_root: Path | None = None, out_dir: Path |
     out_dir = Path(out_dir or ".")
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{top}.tar.gz"
-    with tarfile.open(path, "w:gz") as tar:
+    with replacing(path) as raw, tarfile.open(fileobj=raw, mode="w:gz") as tar:  # never through a link
         for name, content in sorted(files.items()):
             data = red.text(content).encode()
             info = tarfile.TarInfo(f"{top}/{name}")

@@ -39,6 +39,10 @@ class DiagConfig:
     """Collectives torch's flight recorder keeps per trainer rank (TORCH_FR_BUFFER_SIZE), served on a node-local
     unix socket; on a hang the node agent reads every rank's to name the one behind, or the one that took
     another collective, with the op and sequence number (diag/collectives.py). 0 = off. Range [0, 1000000]."""
+    memory_every_steps: int = 25
+    """On a CPU trainer, meter live tensor memory on step 1 and every N-th step after (rlslurm/memory_meter.py:
+    it costs about half of a metered train phase of the tiny model); the other steps record nulls. A GPU's
+    allocator counters are read every step whatever this says. 0 = never on the CPU. Range [0, 1000000]."""
     agent_idle_exit_s: float = 600.0
     """Seconds the node agent waits for a first running heartbeat of its node before it exits (ranks that
     died before their phase guard, or an entrance without one, must not leave it behind forever).
@@ -58,6 +62,7 @@ class DiagConfig:
         check_range(self.kill_grace_s, "kill_grace_s", 0, 3600, note="seconds")
         check_range(self.log_tail_lines, "log_tail_lines", 1, 1_000_000, note="lines")
         check_range(self.collective_trace_entries, "collective_trace_entries", 0, 1_000_000, note="entries")
+        check_range(self.memory_every_steps, "memory_every_steps", 0, 1_000_000, note="steps")
         check_range(self.agent_idle_exit_s, "agent_idle_exit_s", 0, 604_800, low_open=True, note="seconds")
 
     def timeout_for(self, phase: str | None) -> float:

@@ -10,6 +10,11 @@ with what the kernel kept about it, read from outside the dead process:
   counter that grew is the OOM killer's own record that it killed a process there;
 - the node's `oom_kill` counter in /proc/vmstat, the same for OOM kills outside any limited cgroup.
 
+A rank of a `cpu`-profile job runs in a memory cgroup of its own (rlslurm/memcap.py, its `memory_capped`
+event names it). Such a rank can die before the agent's first look (a first step past the cap); the agent
+reads the run's `memory_capped` events too, and a capped rank that is gone with a grown oom_kill count in its
+cgroup gets its `rank_died` all the same. Once read, the agent removes the dead rank's cgroup.
+
 Why counters, not the exit status or the kernel log: the agent is not the rank's parent (no wait status),
 and the kernel log (dmesg) needs privileges users do not have on a cluster; the counters are readable by
 the job's own user. On a cluster whose SLURM has task/cgroup, slurmstepd also writes "Detected N oom_kill
@@ -19,12 +24,15 @@ events" into the step's log, which diag/summary.py reads as well.
 from __future__ import annotations
 
 import logging
+import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from rlslurm.diag.heartbeat import label, pid_alive, read_heartbeats
-from rlslurm.events import RANK_DIED, emit
+from rlslurm.events import MEMORY_CAPPED, RANK_DIED, emit, read_events
+from rlslurm.memcap import remove_stale
 from rlslurm.rundir import RunDir
 
 log = logging.getLogger("rlslurm.diag.deaths")
@@ -109,12 +117,22 @@ class Seen:
 class DeathWatch:
     """The node agent's eye for trainer ranks that died without a word (see the module docstring)."""
 
+    CAPPED_EVERY_S = 30.0
+    """How often a look without a death also reads the run's `memory_capped` events (they come at rank starts)."""
+
     def __init__(self, run: RunDir, *, proc: Path = PROC, cgroup_root: Path = CGROUP_ROOT,
-                 alive: Callable[[dict], bool] = pid_alive):
+                 alive: Callable[[dict], bool] = pid_alive, host: str | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.run, self.proc, self.cgroup_root, self.alive = run, proc, cgroup_root, alive
+        self.host, self.clock = host or socket.gethostname(), clock
         self.seen: dict[int, Seen] = {}
         self.spared: set[int] = set()
         """Pids the agent ended itself (a hang's kill): their end is the `hang_action` event's."""
+        self.reported: set[int] = set()
+        """Pids whose death has its `rank_died` (or needs none)."""
+        self.done_capped: set[str] = set()
+        """Capped ranks' cgroups already read and removed."""
+        self.capped_at = -self.CAPPED_EVERY_S
 
     def node_oom_kills(self) -> int | None:
         text = _read(self.proc / "vmstat")
@@ -125,7 +143,7 @@ class DeathWatch:
         found = memory_cgroup(text) if text else None
         return memory_dir(*found, root=self.cgroup_root) if found else None
 
-    def look(self, watched: list[dict]) -> list[dict]:
+    def look(self, watched: list[dict], final: bool = False) -> list[dict]:
         """One look: note every live trainer rank of `watched` (their heartbeats), and emit `rank_died` for
         each rank seen alive before that is gone now while its heartbeat still says `running`."""
         node_count = self.node_oom_kills()
@@ -152,6 +170,33 @@ class DeathWatch:
             if latest is None or latest.get("state") != "running" or self.alive(latest) or pid in self.spared:
                 continue
             died.append(self._emit(latest, seen, node_count))
+        if final or died or gone or self.clock() - self.capped_at >= self.CAPPED_EVERY_S:
+            died += self.look_capped(live, node_count)
+        return died
+
+    def look_capped(self, live: set[int], node_count: int | None) -> list[dict]:
+        """The run's capped ranks on this host (memcap) that are gone: a `rank_died` for one whose cgroup counted
+        an OOM kill and that no look saw die; then its cgroup is removed (the evidence is in the event now)."""
+        self.capped_at = self.clock()
+        died = []
+        for e in read_events(self.run, MEMORY_CAPPED):
+            if not e.get("capped") or e.get("host") != self.host or e["cgroup"] in self.done_capped:
+                continue
+            pid, cgroup = int(e["pid"]), Path(e["cgroup"])
+            # A process leaves its cgroup as it exits, before its parent reaps it: an empty cgroup is a dead rank
+            # even while its pid (a zombie) is still there to see.
+            tasks = _read(cgroup / "cgroup.procs")
+            if pid in live or (tasks is not None and tasks.strip()) or (
+                    tasks is None and pid not in self.reported and self.alive({"pid": pid, "host": self.host})):
+                continue
+            kills = oom_kills(cgroup)
+            if kills and pid not in self.reported and pid not in self.spared:
+                beats = [hb for hb in read_heartbeats(self.run) if hb.get("pid") == pid]
+                hb = beats[0] if beats else {"pid": pid, "role": "train", "rank": e.get("rank")}
+                died.append(self._emit(hb, Seen(hb, {cgroup: 0}, None), node_count))
+            self.reported.add(pid)
+            if remove_stale(cgroup) or not cgroup.exists():
+                self.done_capped.add(e["cgroup"])
         return died
 
     def _emit(self, hb: dict, seen: Seen, node_count: int | None) -> dict:
@@ -170,6 +215,7 @@ class DeathWatch:
                       oom_killed=bool(cgroup_kills) if cgroup_kills is not None else bool(node_kills),
                       memory_limit_bytes=_bytes(cgroup, "memory.max", "memory.limit_in_bytes") if cgroup else None,
                       memory_peak_bytes=_bytes(cgroup, "memory.peak", "memory.max_usage_in_bytes") if cgroup else None)
+        self.reported.add(fields["rank_pid"])
         log.error("%s (pid %s) died without a word in phase %s step %s; OOM killer: %s (cgroup %s: +%s kills, "
                   "node: +%s)", label(hb), fields["rank_pid"], fields["phase"], fields["step"], fields["oom_killed"],
                   fields["cgroup"], cgroup_kills, node_kills)

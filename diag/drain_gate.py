@@ -4,8 +4,9 @@ Who raises it:
   - SIGUSR1: SLURM's pre-timeout signal (`--signal=USR1@N`) or `scancel -s USR1`; we requeue ourselves.
   - SIGTERM: `scontrol requeue`, preemption or scancel; SLURM sends SIGKILL KillWait seconds later, so
     `kill_wait_left_s()` says whether a checkpoint still fits (rlslurm/lifecycle.py decides).
-  - a `control/drain` file in the run directory (`touch <run>/control/drain`, `rlslurm drain`, the node
-    agent on a hang), noticed by `check()`. A file older than this process (by more than
+  - a `control/drain` file in the run directory (`touch <run>/control/drain` by hand; in rlslurm always through
+    `request_drain` below: `rlslurm drain`, the node agent on a hang, a USR1 before the gate is up), noticed by
+    `check()`. A file older than this process (by more than
     STALE_MARGIN_S) is a request to an earlier start of the job: the node agent writes one on a hang and
     then requeues, and the ranks it drained never lived to remove it. It is ignored (one
     `drain_request_stale` event), or every requeued start would drain at once. A drained job removes
@@ -24,8 +25,10 @@ first observed request into one `drain_requested` event.
 from __future__ import annotations
 
 import math
+import os
 import signal as _signal
 import time
+from pathlib import Path
 from typing import Callable, Iterable
 
 import psutil
@@ -36,6 +39,18 @@ from rlslurm.rundir import RunDir
 DRAIN_FILE = "drain"
 STALE_MARGIN_S = 1.0
 """A control file this much older than the process start is stale (mtime and start are wall clock)."""
+
+
+def request_drain(run: RunDir, reason: str) -> Path:
+    """Write <run>/control/drain (atomically: write, then rename), which every drain gate of the run notices at its
+    next boundary; the one writer of the file (`rlslurm drain`, the node agent on a hang, a USR1 that came before
+    the gate was up). Safe in a Python signal handler: no lock, a fresh name per process."""
+    run.control.mkdir(parents=True, exist_ok=True)
+    path = run.control / DRAIN_FILE
+    tmp = path.with_name(f".{DRAIN_FILE}.{os.getpid()}.tmp")
+    tmp.write_text(reason + "\n")
+    os.replace(tmp, path)
+    return path
 
 
 class DrainGate:
@@ -66,7 +81,8 @@ class DrainGate:
         # Async-signal context: store state only. SIGTERM's time matters for the KillWait deadline even
         # when a SIGUSR1 came first, so it is recorded separately.
         now = self.clock()
-        if signum == _signal.SIGTERM or self._signum is None:
+        # A second SIGTERM (SLURM's own and the trainer supervisor's, passed on) keeps the first one's deadline.
+        if (signum == _signal.SIGTERM and self._signum != _signal.SIGTERM) or self._signum is None:
             self._signum, self._signal_at = signum, now
         if self._reason is None:
             self._reason = f"signal {_signal.Signals(signum).name}"

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from rlslurm import events as ev
+from rlslurm.diag import story
 from rlslurm.diag.heartbeat import label, pid_alive, still_unwritable
 from rlslurm.node import node_name
 
@@ -225,7 +226,10 @@ def classify(facts: Facts) -> list[Cause]:
                             [f"{hit[0]}: {hit[1].group(0)}"] if hit else []))
     if state == "TIMEOUT" or _grep(facts.logs, re.compile(r"DUE TO TIME LIMIT")):
         causes.append(Cause("time_limit", "time limit reached (SLURM TIMEOUT)"))
-    if state == "PREEMPTED" or _grep(facts.logs, re.compile(r"DUE TO PREEMPTION")):
+    drain = story.preemption(now_events, state)
+    if drain and not any(c.kind == "time_limit" for c in causes):
+        causes.append(Cause("preempted", *drain))
+    elif state == "PREEMPTED" or _grep(facts.logs, re.compile(r"DUE TO PREEMPTION")):
         causes.append(Cause("preempted", "preempted by SLURM"))
     srun = _unexplained_srun_death(facts)
     if srun and not crashed and not {"node_failure", "time_limit", "preempted"} & {c.kind for c in causes}:
@@ -252,7 +256,8 @@ def classify(facts: Facts) -> list[Cause]:
     causes += ops
     exited = [hb for hb in facts.heartbeats if hb.get("state") == "exited"]
     clean = f" ({len(exited)} processes exited cleanly)" if exited else ""
-    if ev.select(now_events, *ev.FINISHED) or state == "COMPLETED":
+    # COMPLETED without a `done` after a drain is a job that stopped early (its exit 0 is submitit's): not finished.
+    if ev.select(now_events, *ev.FINISHED) or (state == "COMPLETED" and not ev.select(now_events, ev.DRAINED)):
         # One rule for every finished job: its headline is "finished", and every fault it met and survived
         # (a restarted rank, a readmitted engine, an unwritable heartbeat, a process that outlived it) is
         # evidence under it, never the headline.
@@ -272,6 +277,9 @@ def classify(facts: Facts) -> list[Cause]:
     for e in ev.select(now_events, ev.ENGINE_DIED, ev.ENGINE_UNHEALTHY):
         if causes[0].kind not in ("engine_crash", "engine_hang"):  # replaced in the allocation: the job went on
             causes[0].evidence.append(f"engine {e.get('engine')} {_verdict(e)}; replaced by its supervisor")
+    # Every engine, once one met a fault (the one that served on too), and the reward service's restarts and its
+    # workers' deaths: what the job went through is said under whatever its headline is.
+    causes[0].evidence += story.engine_lines(now_events, facts.heartbeats) + story.reward_lines(now_events)
     for e in ev.select(facts.events, ev.TRAINER_RESTARTED, ev.TRAINER_RESTARTS_SPENT):
         what = (f"restarted in the allocation (restart {e.get('trainer_restart')} of {e.get('max_restarts')})"
                 if ev.TRAINER_RESTARTED.matches(e)
@@ -280,7 +288,7 @@ def classify(facts: Facts) -> list[Cause]:
                                   f"({e.get('cause')}), {what}")
     for e in ev.select(earlier, ev.HANG_DETECTED, ev.PHASE_FAILED, ev.ENGINE_FAILED, ev.SYNC_VERIFY_FAILED,
                        ev.REWARD_SERVICE_DOWN, ev.DRAINED):
-        causes[0].evidence.append(f"earlier attempt: {e.get('kind')} {_said(e)}".rstrip())
+        causes[0].evidence.append(story.earlier_line(e))
     return causes
 
 
@@ -299,7 +307,7 @@ def engine_causes(now_events: list[dict], logs: dict[str, str]) -> list[Cause]:
     verdicts = ev.select(now_events, ev.ENGINE_DIED, ev.ENGINE_UNHEALTHY)
     down = ev.select(now_events, ev.ENGINE_DOWN)
     failed = ev.select(now_events, ev.ENGINE_FAILED)
-    if down:
+    if down and failed:  # an engine down while others served on is no cause: story.engine_lines tells it
         e = down[-1]
         last = [v for v in verdicts if v.get("engine") == e.get("engine")][-1:]
         kind = "engine_hang" if last and ev.ENGINE_UNHEALTHY.matches(last[0]) else "engine_crash"

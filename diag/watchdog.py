@@ -64,8 +64,10 @@ from rlslurm.diag import collectives, nvidia_smi
 from rlslurm.diag.collectives import Attribution, RankRecord, attribute, fetch
 from rlslurm.diag.config import DiagConfig
 from rlslurm.diag.deaths import DeathWatch
+from rlslurm.diag.drain_gate import request_drain
 from rlslurm.diag.heartbeat import label, pid_alive, process_started, read_heartbeats, still_unwritable
 from rlslurm.diag.stack_dump import StackDump, collective_in, dump_stack, process_state, top_frame
+from rlslurm.diag.suspend import SuspendWatch, slurm_job_state
 from rlslurm.events import HANG_ACTION, HANG_DETECTED, emit
 from rlslurm.lifecycle import ExitCode, requeue_job
 from rlslurm.node import node_name
@@ -74,16 +76,6 @@ from rlslurm.rundir import RunDir
 log = logging.getLogger("rlslurm.watchdog")
 
 _STOPPED = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
-
-
-def request_drain(run: RunDir, reason: str) -> Path:
-    """The control file every drain gate of the run notices at its next phase boundary."""
-    run.control.mkdir(parents=True, exist_ok=True)
-    path = run.control / "drain"
-    tmp = path.with_name(f".drain.{os.getpid()}.tmp")
-    tmp.write_text(reason + "\n")
-    os.replace(tmp, path)
-    return path
 
 
 @dataclass
@@ -136,7 +128,8 @@ class Watchdog:
                  requeue: Callable[[str], object] = requeue_job,
                  kill: Callable[[int, int], None] = os.kill, dump: Callable[..., StackDump] = dump_stack,
                  job_id: str | None = None, parent_pid: int | None = None,
-                 state: Callable[[int], str] = process_state):
+                 state: Callable[[int], str] = process_state,
+                 job_state: Callable[[], str | None] = slurm_job_state):
         self.run, self.config = run, config
         self.state = state
         self.host = host or node_name()
@@ -154,6 +147,7 @@ class Watchdog:
         self._unjudged: set[str] = set()
         self.reports: list[HangReport] = []
         self.deaths = DeathWatch(run)
+        self.suspend = SuspendWatch(run, host=self.host, job_state=job_state, clock=clock)  # scontrol suspend
 
     def stop(self) -> None:
         self._stop.set()
@@ -166,7 +160,8 @@ class Watchdog:
             if hb.get("host") != self.host or hb.get("state") != "running" or not pid_alive(hb):
                 continue
             timeout = float(hb.get("phase_timeout_s") or self.config.timeout_for(hb.get("phase")))
-            ranks.append(Rank(hb, now - float(hb.get("last_progress") or now), timeout))
+            since = max(float(hb.get("last_progress") or now), self.suspend.resumed_at)  # no age while suspended
+            ranks.append(Rank(hb, now - since, timeout))
         if any(r.age_s > r.timeout_s for r in ranks):
             self._mark_unwritable(ranks)
         return ranks
@@ -201,7 +196,7 @@ class Watchdog:
         watched = self.watched()
         hung = [r for r in watched if r.hung]
         new = {(r.name, r.hb.get("pid"), r.hb.get("last_progress")) for r in hung}
-        if not hung or new <= self._reported:
+        if not hung or new <= self._reported or self.suspend.holds(hung, self.state):
             return None
         self._reported |= new
         report = self.report(hung, watched)
@@ -401,9 +396,12 @@ class Watchdog:
                 return 0
             if self.poll() is not None and self.config.hang_policy != "dump":
                 return ExitCode.HANG_DETECTED
+            slept = self.clock()
             self.sleep(self.config.watch_interval_s)
+            self.suspend.unobserved(self.clock() - slept - self.config.watch_interval_s, self.watched,
+                                    self.config.watch_interval_s)
         # The local rank 0 that stops us often does so because a peer just died: one last look names it.
-        self.deaths.look([r.hb for r in self.watched()])
+        self.deaths.look([r.hb for r in self.watched()], final=True)
         log.info("exiting: asked to stop (SIGTERM/SIGINT)")
         return 0
 

@@ -32,7 +32,6 @@ from rlslurm.node import node_name
 from rlslurm.rundir import ENV_VAR, RunDir
 
 log = logging.getLogger("rlslurm.jobs.entry")
-ROLES = {0: "train", 1: "rollout", 2: "reward"}
 
 
 def _record_placement(run: RunDir, role: str, local_rank: int) -> None:
@@ -93,16 +92,46 @@ def _keep_early_drain_signal(run: RunDir) -> None:
     """Until the trainer's drain gate is up, USR1 (the pre-timeout signal, `scancel -s USR1`) would kill
     this rank (its default action): keep it as the run's control/drain request, which every rank's gate
     reads at its first step boundary. With a short time limit SLURM sends it up to a minute early."""
-    from rlslurm.diag.drain_gate import DRAIN_FILE
+    from rlslurm.diag.drain_gate import request_drain
 
     def on_usr1(signum, frame):
-        (run.control / DRAIN_FILE).touch()
+        request_drain(run, "SIGUSR1 before the trainer's drain gate was up")
 
     signal.signal(signal.SIGUSR1, on_usr1)
 
 
 def _train_role(run: RunDir) -> int:
     job = load_config(run.config)
+    rank = int(os.environ["RLSLURM_RANK"])  # this task's rank in the job (run_component: Topology.detect)
+    if job.job.kind == "rl":
+        from rlslurm.rl import early
+
+        # Rank 0's engines load while this rank imports torch and loads the policy.
+        if early.start_engines(job, run, rank):
+            try:
+                return _capped_entrance(run, job, rank)
+            finally:
+                early.abandon()
+    return _capped_entrance(run, job, rank)
+
+
+def _capped_entrance(run: RunDir, job, rank: int) -> int:
+    """The cpu profile's hbm_gb enforced like a GPU's (rlslurm/memcap.py), on what the rank allocates once the
+    libraries it trains with are in: those are what a GPU's runtime holds outside its HBM."""
+    from rlslurm.memcap import cap_rank
+
+    if job.hardware.profile == "cpu":
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    cap_rank(run, job, int(os.environ.get("RANK", "0")))
+    return _entrance(run, job, rank)
+
+
+def _entrance(run: RunDir, job, rank: int) -> int:
+    """The job kind's entrance, after this rank's env fingerprint."""
+    from rlslurm.diag.env_diff import write_fingerprint
+
+    write_fingerprint(run, "train", rank)
     kind = job.job.kind
     if kind == "toy":
         from rlslurm.jobs import toytrain
@@ -151,9 +180,6 @@ def run_component(run_dir: str) -> int:
     topo = Topology.detect()
     os.environ["RLSLURM_RANK"] = str(topo.rank)
     _record_placement(run, "train", topo.local_rank)
-    from rlslurm.diag.env_diff import write_fingerprint
-
-    write_fingerprint(run, "train", topo.rank)
     if topo.is_main and leader_job_id():
         from rlslurm.lifecycle import name_lost_nodes, restart_count
 

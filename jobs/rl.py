@@ -6,7 +6,7 @@ weight sync.
     rlslurm submit examples/grpo-verl.yaml            # a verl parquet and its compute_score (docs/data.md)
 
 Every trainer rank runs `run(job, run_dir)`; rank 0 is also the controller. One step reads like the
-diagram in DESIGN.md, each phase inside the phase guard:
+diagram at the top of README.md, each phase inside the phase guard:
 
     prompts -> rollout (engines) -> reward -> advantages -> train (DDP) -> sync (DRAIN/UPDATE/VERIFY/RESUME)
     -> metrics -> checkpoint
@@ -33,9 +33,9 @@ version and syncs the new engines to it. Engine sampling is seeded by (train.see
 a resumed run draws the same samples: tests/cluster/test_rl_slurm.py holds it to the uninterrupted
 run's reward/loss trajectory.
 
-The reward (`reward.service`): `inline` scores in the controller (the task's rule; a data row by the service's
-own scorer, rlslurm/rl/scoring.py); `local` (the
-example's default) runs the supervised reward service (rlslurm/reward/) beside the controller; `component`
+The reward (`reward.service`): `inline` (the default, and the example's) scores in the controller (the task's
+rule; a data row by the service's own rule or function scorer, rlslurm/rl/scoring.py); `local` runs the
+supervised reward service (rlslurm/reward/) beside the controller; `component`
 runs it in a het component of its own on `reward.partition` (`run_reward`, announced in
 <run>/endpoints/reward.json). Each engine's responses go to the service as they arrive, `reward.batch_size`
 per request; a response it cannot score is degraded by `reward.degrade`, and each step's metrics count

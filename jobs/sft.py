@@ -22,15 +22,17 @@ names and a vLLM engine loads — and records the held-out result in <run>/metri
 completion loss on a user's data.
 
 Stop and come back like every entrance (rlslurm/lifecycle.py): checkpoints every `checkpoint.*` interval through
-rlslurm/checkpoint.py; on a drain (SIGUSR1, SIGTERM, <run>/control/drain) all ranks stop at one step boundary,
-checkpoint, requeue and exit 75; a start resumes from the newest complete checkpoint. Everything a resume needs
-(model, optimizer, schedule, every rank's RNG, step) is in `SFTState`, and the data position (epoch, index) is in
-the checkpoint's trainer.json beside it, so a resumed run ends with the same losses and weights as one that never
-stopped. The phase guard (diag/guard.py) wraps every phase: start, data, train, checkpoint, export.
+rlslurm/checkpoint.py; on a drain (SIGUSR1, SIGTERM, <run>/control/drain) all ranks stop at one step boundary
+(rlslurm/boundary.py), checkpoint, requeue and exit 75; a start resumes from the newest complete checkpoint.
+Everything a resume needs (model, optimizer, schedule, every rank's RNG, step) is in `SFTState`, and the data
+position (epoch, index) is in the checkpoint's trainer.json beside it, so a resumed run ends with the same losses
+and weights as one that never stopped. The phase guard (diag/guard.py) wraps every phase: start, data, train,
+checkpoint, export.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import os
@@ -44,25 +46,28 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from jobs.sft_eval import StopAtTarget, evaluate_export
-from rlslurm import lifecycle
-from rlslurm.checkpoint import Checkpoint, CheckpointWriter, IntervalPolicy, step_dirname
+from rlslurm import lifecycle, lora, plan_vs_run
+from rlslurm.boundary import StepBoundary
+from rlslurm.checkpoint import Checkpoint, CheckpointWriter, step_dirname
 from rlslurm.config import JobConfig, load_config
 from rlslurm.data.layout import DataError, RowError
 from rlslurm.data.sampler import Sampler
 from rlslurm.data.splits import load_splits
 from rlslurm.data.table import BadRows, SampleTable
 from rlslurm.data.tokens import collate, encode, fit, job_tokenizer
-from rlslurm.diag.drain_gate import DrainGate, agreed_reason
+from rlslurm.diag.drain_gate import DrainGate
 from rlslurm.diag.guard import PhaseGuard
 from rlslurm.dist import Topology, compute_device, init_process_group, release_process_group_users
 from rlslurm.errors import CheckpointError, ConfigError, RlslurmError
 from rlslurm.events import DATA_ROWS_SKIPPED, SFT_EXPORT, SFT_FINISHED, SFT_START, emit
+from rlslurm.jobs.sft_eval import StopAtTarget, evaluate_export
 from rlslurm.lifecycle import ExitCode
+from rlslurm.logprobs import CausalLMScorer, sft_loss
+from rlslurm.memory_meter import MemoryMeter, owned_tensors, step_memory
 from rlslurm.metrics_sinks import MetricsLog
 from rlslurm.rundir import RunDir
 from rlslurm.tinymodel import build_model, load_hf, save_hf
-from rlslurm.train_config import TrainConfig, adamw
+from rlslurm.train_config import TrainConfig, adamw, recompute
 
 
 def batch_indices(n_examples: int, global_batch: int, seed: int, step: int, rank: int, world: int) -> list[int]:
@@ -88,12 +93,23 @@ class SFTState:
     rlslurm/megatron/sft.py's MegatronSFTState has the same methods)."""
 
     model: DistributedDataParallel
+    """DDP around rlslurm/logprobs.py's CausalLMScorer of the HF model (`lm`): the token log-probs it
+    differentiates, with or without the full-vocab logits (memory.fused_ce)."""
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
+    meter: MemoryMeter
+    """This rank's memory per phase (rlslurm/memory_meter.py); the loop starts each step on it."""
     grad_clip: float = 0.0
     """train.grad_clip (0 = off)."""
+    micro_batch_size: int = 1 << 30
+    """parallel.micro_batch_size: rows per forward + backward; a larger batch accumulates gradients."""
     step: int = 0
     """Optimizer steps done; also the data position (see batch_indices)."""
+
+    @property
+    def lm(self) -> torch.nn.Module:
+        """The HF model being trained (what checkpoints, evaluation and the export read)."""
+        return self.model.module.lm
 
     @property
     def device(self) -> torch.device:
@@ -110,13 +126,28 @@ class SFTState:
         """One optimizer step; returns (loss averaged over ranks, gradient norm before clipping).
         `beat` is the phase guard's progress call, made from inside the step."""
         device = compute_device()
-        loss = self.model(**{k: v.to(device) for k, v in batch.items()}).loss
+        ids, mask, labels = (batch[k].to(device) for k in ("input_ids", "attention_mask", "labels"))
+        # The loss is the mean over this rank's learned tokens however the rows are cut into micro-batches:
+        # each one's sum of log-likelihoods over the batch's token count (DDP all-reduces on the last only).
+        tokens = (labels[:, 1:] != -100).sum().clamp(min=1)
+        size = self.micro_batch_size
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        beat()
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                              self.grad_clip if self.grad_clip > 0 else float("inf"))
-        self.optimizer.step()
+        loss = torch.zeros((), device=device)
+        with self.meter.measure("forward_backward"):
+            for start in range(0, ids.shape[0], size):
+                rows = slice(start, start + size)
+                width = int(mask[rows].sum(1).max())  # right padding: no row of this cut is longer
+                last = start + size >= ids.shape[0]
+                with contextlib.nullcontext() if last else self.model.no_sync():
+                    cut = (ids[rows, :width], mask[rows, :width], labels[rows, :width])
+                    part = sft_loss(self.model(*cut), cut[2], tokens=tokens)
+                    part.backward()
+                loss += part.detach()
+                beat()
+        with self.meter.measure("optimizer"):
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                  self.grad_clip if self.grad_clip > 0 else float("inf"))
+            self.optimizer.step()
         self.scheduler.step()
         self.step += 1
         reported = loss.detach().clone()
@@ -124,18 +155,18 @@ class SFTState:
         return reported.item() / dist.get_world_size(), float(norm)
 
     def weights_sha256(self) -> str:
-        return weights_sha256(self.model)
+        return weights_sha256(self.lm)
 
     def eval_model(self):
         """Collective: the model as a transformers module on rank 0 (what `greedy_accuracy` decodes), None on the
         other ranks."""
-        return self.model.module if dist.get_rank() == 0 else None
+        return self.lm if dist.get_rank() == 0 else None
 
     def export(self, directory: Path, max_new_tokens: int):
         """Rank 0: (path, the trained model) after writing the HF directory; the other ranks (None, None)."""
         if not dist.get_rank() == 0:
             return None, None
-        return save_hf(self.model, directory, max_new_tokens=max_new_tokens), self.model
+        return save_hf(self.lm, directory, max_new_tokens=max_new_tokens), self.lm
 
     def save(self, run: RunDir, topo: Topology, keep: int, trainer: dict | None = None) -> float:
         """Collective: every rank's RNG is gathered, rank 0 writes; the save's seconds on every rank.
@@ -146,7 +177,7 @@ class SFTState:
         if topo.is_main:
             with CheckpointWriter(run, self.step, keep=keep,
                                   metadata={"job": "sft", "world_size": topo.world_size}) as ckpt:
-                ckpt.save_tensors("model", _unique_tensors(self.model.module))
+                ckpt.save_tensors("model", _trained_tensors(self.lm))
                 ckpt.save_state("optimizer", self.optimizer.state_dict())
                 ckpt.save_state("scheduler", self.scheduler.state_dict())
                 ckpt.save_state("rng", rngs)
@@ -158,8 +189,8 @@ class SFTState:
     def load(self, ckpt: Checkpoint, topo: Topology) -> None:
         """Every rank reads the checkpoint (shared filesystem) and takes its own RNG stream back."""
         tensors = ckpt.load_tensors("model")
-        missing, unexpected = self.model.module.load_state_dict(tensors, strict=False)
-        tied = set(self.model.module.state_dict()) - set(_unique_tensors(self.model.module))
+        missing, unexpected = self.lm.load_state_dict(tensors, strict=False)
+        tied = set(self.lm.state_dict()) - set(_trained_tensors(self.lm))  # tied, or (train.lora) the frozen base
         if unexpected or set(missing) - tied:
             raise CheckpointError(f"{ckpt.path}: model tensors do not fit this model (missing "
                                   f"{sorted(set(missing) - tied)}, unexpected {sorted(unexpected)})")
@@ -183,6 +214,12 @@ def _unique_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def _trained_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What a checkpoint holds: every tensor once, or with train.lora the adapters alone (the frozen base is
+    train.init_from, or the seeded init, read again at every start)."""
+    return lora.adapters(model) if lora.has_lora(model) else _unique_tensors(model)
+
+
 def weights_sha256(model: torch.nn.Module) -> str:
     """One checksum over every named tensor, to show that ranks (and an export) hold the same weights."""
     digest = hashlib.sha256()
@@ -203,11 +240,19 @@ def build_state(job: JobConfig, topo: Topology):
         model.train()
     else:
         model = build_model(job.model, seed=job.train.seed)
-    # DDP broadcasts rank 0's weights at construction, so ranks start equal even if init differed.
-    ddp = DistributedDataParallel(model.to(compute_device()))
-    optimizer = adamw(ddp.module, job.train)
+    model = model.to(compute_device())
+    recompute(model, job.resolved_memory.recompute)
+    if job.train.lora.enabled:  # the adapters alone train, are checkpointed; the export is merged (rlslurm/lora.py)
+        model = lora.inject(model, job.train.lora, seed=job.train.seed)
+    optimizer = adamw(model, job.train)
+    meter = MemoryMeter(compute_device(), job.diag.memory_every_steps,
+                        owned=lambda: owned_tensors(model, optimizer=optimizer))
+    with meter.tracking():  # DDP's gradient buckets: held all run, allocated here
+        # DDP broadcasts rank 0's weights at construction, so ranks start equal even if init differed.
+        ddp = DistributedDataParallel(CausalLMScorer(model, fused=job.memory.fused_ce))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(job.train, s))
-    return SFTState(model=ddp, optimizer=optimizer, scheduler=scheduler, grad_clip=job.train.grad_clip)
+    return SFTState(model=ddp, optimizer=optimizer, scheduler=scheduler, meter=meter, grad_clip=job.train.grad_clip,
+                    micro_batch_size=job.parallel.micro_batch_size)
 
 
 def run_sft(job: JobConfig, run_dir: Path, *, requeue=lifecycle.requeue_job) -> dict:
@@ -278,8 +323,8 @@ def _train(job: JobConfig, run: RunDir, topo: Topology, gate: DrainGate, guard: 
                                   "with") from None
     emit(run, SFT_START, role="trainer", rank=topo.rank, world_size=topo.world_size, steps=train.steps,
          start_step=state.step, params=state.params(), device=str(state.device), backend=train.backend)
-    time_limit_s = job.cluster.time_limit_min * 60.0 if os.environ.get("SLURM_JOB_ID") else None
-    policy = IntervalPolicy(job.checkpoint, time_limit_s=time_limit_s, start_step=state.step)
+    boundary = StepBoundary(run, topo, gate, job, start_step=state.step, requeue=requeue)
+    policy = boundary.interval
     last_saved = state.step if path else None
 
     def save() -> str:
@@ -294,25 +339,13 @@ def _train(job: JobConfig, run: RunDir, topo: Topology, gate: DrainGate, guard: 
 
     target = StopAtTarget(job, metrics, tokenizer)
     while True:
-        # Step boundary: every rank must agree to drain, save or stop, so that they stop at the same step.
-        reached = target.reached(state, guard)  # collective when due: rank 0 decodes the dev split
-        left = gate.kill_wait_left_s() if gate.check() else None
-        flags = torch.tensor([float(gate.requested), -(left if left is not None else math.inf),
-                              float(topo.is_main and policy.due(state.step)), float(reached)],
-                             device=compute_device())
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        if flags[0] > 0:
-            reason, signal_name = agreed_reason(gate, topo.world_size)
-            code = lifecycle.finish_drain(run, step=state.step, reason=reason, signal_name=signal_name, save=save,
-                                          cost_s=policy.cost_s,
-                                          time_left_s=None if math.isinf(flags[1]) else -flags[1].item(),
-                                          is_leader=topo.is_main, requeue=requeue)
-            if topo.is_main and code == ExitCode.DRAINED:
-                gate.consume_control_file()
-            return {"rank": topo.rank, "step": state.step, "exit_code": code}
-        if flags[2] > 0:
+        # Step boundary (rlslurm/boundary.py): every rank agrees to drain, save or stop at the same step.
+        at = boundary.agree(state.step, stop=target.reached(state, guard))  # the target: rank 0 decodes the dev split
+        if at.drain:
+            return {"rank": topo.rank, "step": state.step, "exit_code": boundary.drain(state.step, at, save)}
+        if at.checkpoint_due:
             save()
-        if flags[3] > 0 or state.step >= train.steps:
+        if at.stop or state.step >= train.steps:
             break
         t0 = time.perf_counter()
         with guard.phase("data", step=state.step + 1):
@@ -320,13 +353,21 @@ def _train(job: JobConfig, run: RunDir, topo: Topology, gate: DrainGate, guard: 
             batch, skipped = _batch(job, run, tokenizer, train_rows, idx, state.step + 1, topo.rank, bad_rows)
             position += train.batch_size
         lr = state.lr()
+        metered = state.meter.start_step(state.step + 1)
         with guard.phase("train", step=state.step + 1):
             loss, grad_norm = state.train_step(batch, beat=guard.beat)
         step_s = time.perf_counter() - t0
         policy.observe_step(step_s)
+        memory = None
+        if metered:  # every rank meters the same steps (by step number), so every rank joins this gather
+            memory = [None] * topo.world_size
+            dist.all_gather_object(memory, state.meter.peaks())
         if topo.is_main:
             metrics.append({"t": time.time(), "kind": "sft_step", "step": state.step, "loss": loss, "lr": lr,
-                            "grad_norm": grad_norm, "step_s": step_s, **({"rows_skipped": skipped} if skipped else {})})
+                            "grad_norm": grad_norm, "step_s": step_s, "rows_skipped": skipped,
+                            **step_memory(memory)})
+            if state.step == min(plan_vs_run.CHECK_STEP, train.steps):  # the run meets its plan, once
+                plan_vs_run.check(run, state.step)
         if train.step_delay_s:
             with guard.phase("train", step=state.step):
                 time.sleep(train.step_delay_s)  # stands in for compute: tests signal mid-run
@@ -378,8 +419,8 @@ def _batch(job: JobConfig, run: RunDir, tokenizer, rows: SampleTable, idx: list[
     if empty:
         raise DataError(f"step {step}: every training row of a rank's batch was left out ({reason or 'on a peer'}); "
                         "check the rows with `rlslurm validate`, or set data.too_long = truncate")
-    skipped = {"too_long": too_long, "truncated": truncated, "bad_rows": bad} if too_long + truncated + bad else {}
-    if skipped and rank == 0:
+    skipped = {"too_long": too_long, "truncated": truncated, "bad_rows": bad}  # every step's row: zeros too
+    if too_long + truncated + bad and rank == 0:
         emit(run, DATA_ROWS_SKIPPED, role="trainer", step=step, **skipped,
              **({"first_reason": reason} if reason else {}))
     return collate(examples), skipped

@@ -60,28 +60,28 @@ def evaluate_export(job, metrics, step, export, model, tokenizer, held_out: Samp
     if job.data.train is None:
         problems = [parse_prompt(s.prompt) for s in held_out.samples()]
         result = greedy_accuracy(model, tokenizer, problems, max_new_tokens=job.rollout.max_new_tokens)
-        record = {"heldout_accuracy": result.accuracy, "heldout_correct": result.correct,
-                  "heldout_total": result.total}
+        record = {"held_out_accuracy": result.accuracy, "held_out_correct": result.correct,
+                  "held_out_total": result.total}
     else:
-        record = heldout_loss(job, model, tokenizer, held_out)
+        record = held_out_loss(job, model, tokenizer, held_out)
     record.update({"export": str(export), "wall_s": time.time() - started})
     metrics.append({"t": time.time(), "kind": "sft_eval", "step": step, **record})
     return record
 
 
-HELDOUT_ROWS = 256
+HELD_OUT_ROWS = 256
 """Held-out rows a data SFT run scores its export's completion loss on (the first ones of data.eval)."""
 
 
 @torch.no_grad()
-def heldout_loss(job: JobConfig, model, tokenizer, held_out: SampleTable) -> dict:
-    """Mean completion-token loss of the trained model on the first HELDOUT_ROWS held-out rows that fit."""
+def held_out_loss(job: JobConfig, model, tokenizer, held_out: SampleTable) -> dict:
+    """Mean completion-token loss of the trained model on the first HELD_OUT_ROWS held-out rows that fit."""
     model = getattr(model, "module", model)
     was_training = model.training
     model.eval()
     total, tokens, rows = 0.0, 0, 0
     try:
-        for i in range(min(len(held_out), HELDOUT_ROWS)):
+        for i in range(min(len(held_out), HELD_OUT_ROWS)):
             sample = held_out.try_sample(i)
             if isinstance(sample, RowError):
                 continue
@@ -94,4 +94,4 @@ def heldout_loss(job: JobConfig, model, tokenizer, held_out: SampleTable) -> dic
             total, tokens, rows = total + float(out.loss) * n, tokens + n, rows + 1
     finally:
         model.train(was_training)
-    return {"heldout_loss": total / tokens if tokens else None, "heldout_rows": rows, "heldout_tokens": tokens}
+    return {"held_out_loss": total / tokens if tokens else None, "held_out_rows": rows, "held_out_tokens": tokens}

@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import os
 import random
 import signal
@@ -40,10 +39,11 @@ import torch.distributed as dist
 import yaml
 
 from rlslurm import events, lifecycle
-from rlslurm.checkpoint import Checkpoint, CheckpointWriter, IntervalPolicy, step_dirname
+from rlslurm.boundary import StepBoundary
+from rlslurm.checkpoint import Checkpoint, CheckpointWriter, step_dirname
 from rlslurm.config import JobConfig, load_config
 from rlslurm.configfile import to_dict
-from rlslurm.diag.drain_gate import DrainGate, agreed_reason
+from rlslurm.diag.drain_gate import DrainGate
 from rlslurm.diag.guard import PhaseGuard
 from rlslurm.dist import Topology, init_process_group
 from rlslurm.lifecycle import ExitCode
@@ -280,8 +280,6 @@ def _train(run, cfg, topo, gate, guard, step_delay_s, time_limit_s, requeue) -> 
     faults = Faults.from_env(topo.rank, restarts)
     for name in faults.echo:
         print(f"{name}={os.environ.get(name, '')}", flush=True)
-    if time_limit_s is None and os.environ.get("SLURM_JOB_ID"):
-        time_limit_s = cfg.cluster.time_limit_min * 60.0
     trainer = ToyTrainer(run, cfg, topo)
     path, proceed = lifecycle.agree_on_start(run, is_main=topo.is_main, restarts=restarts,
                                              max_no_progress_restarts=cfg.checkpoint.max_no_progress_restarts)
@@ -289,7 +287,8 @@ def _train(run, cfg, topo, gate, guard, step_delay_s, time_limit_s, requeue) -> 
         return ExitCode.NO_PROGRESS
     step = trainer.load(Checkpoint.open(Path(path), verify=False)) if path else 0
     last_saved = step if path else None
-    policy = IntervalPolicy(cfg.checkpoint, time_limit_s=time_limit_s, start_step=step)
+    boundary = StepBoundary(run, topo, gate, cfg, start_step=step, time_limit_s=time_limit_s, requeue=requeue)
+    policy = boundary.interval
     pause, exit_at = threading.Event(), int(os.environ.get(EXIT_AT_STEP_ENV, "-1"))
     first_step = True
 
@@ -302,21 +301,11 @@ def _train(run, cfg, topo, gate, guard, step_delay_s, time_limit_s, requeue) -> 
         return step_dirname(at)
 
     while True:
-        # Step boundary: every rank must agree to drain / save, so they stop at the same step.
-        left = gate.kill_wait_left_s() if gate.check() else None
-        flags = torch.tensor([float(gate.requested), -(left if left is not None else math.inf),
-                              float(topo.is_main and policy.due(step))])
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        if flags[0] > 0:
-            time_left = None if math.isinf(flags[1]) else -flags[1].item()
-            reason, signal_name = agreed_reason(gate, topo.world_size)
-            code = lifecycle.finish_drain(run, step=step, reason=reason, signal_name=signal_name,
-                                          save=lambda step=step: save(step), cost_s=policy.cost_s,
-                                          time_left_s=time_left, is_leader=topo.is_main, requeue=requeue)
-            if topo.is_main and code == ExitCode.DRAINED:
-                gate.consume_control_file()
-            return code
-        if flags[2] > 0:
+        # Step boundary (rlslurm/boundary.py): every rank agrees to drain / save at the same step.
+        at = boundary.agree(step)
+        if at.drain:
+            return boundary.drain(step, at, lambda step=step: save(step))
+        if at.checkpoint_due:
             save(step)
         if step >= cfg.train.steps:
             break

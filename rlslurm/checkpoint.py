@@ -28,8 +28,6 @@ When to save: `IntervalPolicy` (end of this module). `checkpoint:` in a job YAML
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import hashlib
 import json
 import os
@@ -43,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 from rlslurm import events
+from rlslurm.checkpoint_failure import report_failure
 from rlslurm.configfile import check_range
 from rlslurm.durable import fsync
 from rlslurm.errors import CheckpointError
@@ -61,9 +60,6 @@ LATEST = "latest"
 PAUSE_ENV = "RLSLURM_TEST_PAUSE_IN_CHECKPOINT_S"
 """Test hook: `S`, `S@STEP` or `S@FIRST-LAST` pauses S seconds after the first file of a save (of a step
 >= STEP, or in FIRST..LAST), so a test can SIGKILL the writer while the checkpoint is half written."""
-
-DISK_FULL_BYTES = 1 << 20
-"""Free bytes under which a failed save is called a full disk when its error carries no errno (torch.save's)."""
 
 _COMPLETE = re.compile(r"^step-(\d{8})$")
 _TMP = re.compile(r"^\.tmp-step-(\d{8})-(\d+)$")
@@ -87,6 +83,15 @@ class CheckpointConfig:
     kill_wait_s: float = 30.0
     """Seconds SLURM leaves between SIGTERM and SIGKILL (its KillWait); a drain on SIGTERM saves only if C fits.
     Range [0, 86400]."""
+    save_attempts: int = 3
+    """Tries of one periodic save before it is skipped (a storage fault: unwritable, full, a hiccup); each failed
+    try is a `checkpoint_failed` event. Range [1, 100]."""
+    retry_backoff_s: float = 2.0
+    """Seconds before the second try of a save, doubled before each further one (2, 4, ...). Range [0, 3600]."""
+    max_failed_saves: int = 3
+    """Saves in a row that may be skipped after all their tries (`checkpoint_save_skipped`; training goes on, the
+    newest complete checkpoint stays `latest`); the next one that fails stops the job, naming the error. A save
+    is tried again at the next interval, not at the next step. Range [0, 1000]."""
 
     def __post_init__(self):
         check_range(self.interval_steps, "interval_steps", 1, 10**8)
@@ -95,6 +100,13 @@ class CheckpointConfig:
         for key in ("keep", "max_no_progress_restarts"):
             check_range(getattr(self, key), key, 1, 1000)
         check_range(self.kill_wait_s, "kill_wait_s", 0, 86_400, note="seconds")
+        check_range(self.save_attempts, "save_attempts", 1, 100)
+        check_range(self.retry_backoff_s, "retry_backoff_s", 0, 3600, note="seconds")
+        check_range(self.max_failed_saves, "max_failed_saves", 0, 1000)
+
+    def retry_delays_s(self) -> list[float]:
+        """The wait before each try of a save after the first: retry_backoff_s, doubled each time."""
+        return [self.retry_backoff_s * 2 ** i for i in range(self.save_attempts - 1)]
 
 
 def step_dirname(step: int) -> str:
@@ -130,18 +142,26 @@ class CheckpointWriter:
     """Writes one checkpoint into a temp dir; `commit()` (or leaving the `with` block) makes it complete."""
 
     def __init__(self, run: RunDir, step: int, *, policy_version: int = 0, metadata: dict | None = None,
-                 keep: int | None = None, clock=time.monotonic):
+                 keep: int | None = None, clock=time.monotonic, attempt: tuple[int, int] | None = None):
         self.run, self.step, self.policy_version = run, step, policy_version
         self.metadata = dict(metadata or {})
         self.keep, self.clock = keep, clock
+        self.attempt = attempt  # (this try, of how many): said in a checkpoint_failed event
         self.saved: SavedCheckpoint | None = None
         self._started = clock()
-        run.checkpoints.mkdir(parents=True, exist_ok=True)
-        self.tmp = run.checkpoints / f".tmp-{step_dirname(step)}-{os.getpid()}"
-        if self.tmp.exists():
-            shutil.rmtree(self.tmp)
-        self.tmp.mkdir()
         self._files: dict[str, dict] = {}
+        self.tmp = run.checkpoints / f".tmp-{step_dirname(step)}-{os.getpid()}"
+        try:
+            run.checkpoints.mkdir(parents=True, exist_ok=True)
+            if self.tmp.exists():
+                shutil.rmtree(self.tmp)
+            self.tmp.mkdir()
+        except OSError as e:
+            # The temp dir is the first write of a save: an unwritable or full checkpoints directory fails here,
+            # before any `with` block could report it (issue 38: no checkpoint_failed event was ever written).
+            self._report_failure(e)
+            raise CheckpointError(f"checkpoint of step {step}: cannot create {self.tmp}: "
+                                  f"{type(e).__name__}: {e}") from e
 
     def _add(self, filename: str, path: Path) -> None:
         fsync(path)
@@ -226,38 +246,18 @@ class CheckpointWriter:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
-            self.commit()
+            try:
+                self.commit()
+            except Exception as e:  # the manifest, the rename or `latest`: the same storage, the same report
+                self._report_failure(e, then=self.abort)
+                raise
+        elif isinstance(exc, Exception):
+            self._report_failure(exc, then=self.abort)
         else:
-            if isinstance(exc, Exception):
-                self._report_failure(exc)
             self.abort()
 
-    def _report_failure(self, exc: Exception) -> None:
-        """Event `checkpoint_failed`, measured before the temp dir goes: its partial files still hold the space
-        the write met. torch.save turns ENOSPC into a RuntimeError with no errno ("PytorchStreamWriter failed
-        writing file"), so a full disk is told by the errno where there is one, else by the space left."""
-        code = next((e.errno for e in _chain(exc) if isinstance(e, OSError) and e.errno), None)
-        try:
-            stat = os.statvfs(self.tmp if self.tmp.exists() else self.run.checkpoints)
-            free_bytes = stat.f_bavail * stat.f_frsize
-        except OSError:
-            free_bytes = None
-        full = code in (errno.ENOSPC, errno.EDQUOT) or (free_bytes is not None and free_bytes < DISK_FULL_BYTES)
-        latest = self.run.checkpoints / LATEST
-        with contextlib.suppress(OSError):  # best effort: the disk that failed the write may fail this too
-            events.emit(self.run, events.CHECKPOINT_FAILED, step=self.step, checkpoint=self.tmp.name,
-                        error=f"{type(exc).__name__}: {exc}"[:500], disk_full=full, free_bytes=free_bytes,
-                        filesystem=str(self.run.checkpoints), errno=errno.errorcode.get(code) if code else None,
-                        newest_complete=latest.read_text().strip() if latest.is_file() else None)
-
-
-def _chain(exc: BaseException):
-    """`exc` and the exceptions it was raised from or during."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        yield exc
-        exc = exc.__cause__ or exc.__context__
+    def _report_failure(self, exc: Exception, then=None) -> None:
+        report_failure(self.run, self.step, self.tmp, exc, attempt=self.attempt, then=then)
 
 
 def write_rank_state(directory: Path, name: str, obj: Any) -> str:
@@ -451,6 +451,11 @@ class IntervalPolicy:
         self.cost_s = seconds
         self._last_saved_step = step
         self._saved_in_allocation = True
+
+    def observe_failed_save(self, step: int) -> None:
+        """A save at `step` was skipped after all its tries: the next one is due an interval later, not at the
+        next step (a storage fault is met once per interval; checkpoint.max_failed_saves bounds how many)."""
+        self._last_saved_step = step
 
     def interval_steps(self) -> int | None:
         """Steps between saves now; None while no step time is known (Young/Daly needs it)."""

@@ -12,7 +12,8 @@
     diag        diag/config.py (rlslurm.diag.config)
     network     rlslurm/network.py                logging    rlslurm/metrics_sinks.py
 
-Checks between sections live in `JobConfig.__post_init__` and name every key involved.
+Checks between sections live in rlslurm/config_rules.py (`job_rules`, run by `JobConfig.__post_init__`) and
+name every key involved.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from pathlib import Path
 from typing import Literal
 
 from rlslurm.checkpoint import CheckpointConfig
-from rlslurm.config_rules import ignored_values
-from rlslurm.configfile import FieldError, check, check_name, load_mapping, read_yaml
+from rlslurm.config_rules import job_rules
+from rlslurm.configfile import FieldError, check_name, load_mapping, read_yaml
 from rlslurm.data.config import DataConfig
 from rlslurm.diag.config import DiagConfig
 from rlslurm.errors import ConfigError
@@ -32,8 +33,8 @@ from rlslurm.metrics_sinks import LoggingConfig
 from rlslurm.modelspec import ModelConfig
 from rlslurm.network import NetworkConfig
 from rlslurm.plan.hardware import HardwareConfig
-from rlslurm.plan.memory import MemoryConfig
-from rlslurm.plan.parallel import ParallelConfig, static_rules, world_rules
+from rlslurm.plan.memory import MemoryConfig, resolve as resolve_memory
+from rlslurm.plan.parallel import ParallelConfig
 from rlslurm.plan.placement import PlacementConfig
 from rlslurm.plan.steptime import TimingConfig
 from rlslurm.reward.config import RewardConfig
@@ -101,58 +102,26 @@ class JobConfig:
     """Where each step's metrics go besides metrics.jsonl: TensorBoard, Weights & Biases (offline)."""
 
     def __post_init__(self):
-        hw, pl = self.hardware, self.placement
-        if pl.rollout_nodes is not None:
-            check(pl.rollout_nodes < hw.nodes, "placement.rollout_nodes",
-                  f"must leave training at least one node: placement.rollout_nodes = {pl.rollout_nodes}, "
-                  f"hardware.nodes = {hw.nodes}")
-        check(self.rollout.tp <= hw.gpus_per_node, "rollout.tp",
-              f"must be <= hardware.gpus_per_node = {hw.gpus_per_node} (one engine stays inside a node)")
-        if self.reward.service == "component":
-            check(bool(self.reward.partition), "reward.partition",
-                  "is required when reward.service = 'component' (the SLURM partition of the reward component)")
-        if self.job.kind == "sft" and self.train.stop_at_accuracy is not None:
-            check(self.data.train is None, "train.stop_at_accuracy",
-                  "is measured on the arithmetic task's dev split (task.dev_size); with data.train it is not built "
-                  "yet: remove it and set train.steps")
-            check(self.task.dev_size > 0, "train.stop_at_accuracy",
-                  "needs a dev split to measure it on: set task.dev_size (e.g. 500), disjoint from train and held-out")
-        if self.data.train is not None:
-            check(self.job.kind in ("sft", "rl"), "data.train",
-                  f"is read by the sft and rl entrances; job.kind = {self.job.kind!r} has no data")
-        for key, message in ignored_values(self):
+        # Every rule between sections lives in rlslurm/config_rules.py; the first one broken is the error.
+        for key, message in job_rules(self):
             raise FieldError(key, message)
-        if self.train.backend == "megatron":
-            from rlslurm.megatron.policy import job_rules  # torch only at import; megatron when it runs
 
-            for key, message in job_rules(self):
-                raise FieldError(key, message)
-        m = self.model
-        rules = [(r.keys, r.message) for r in static_rules(self.parallel, m.layers, m.heads, m.n_kv_heads,
-                                                             m.experts, hw.gpus_per_node, self.rollout.tp)]
-        world = self.train_gpus()
-        if world is not None:
-            rules += [(r.keys, r.message + self._split_note()) for r in world_rules(self.parallel, world)]
-        if len(rules) == 1:
-            raise FieldError(rules[0][0][0], rules[0][1])
-        if rules:  # all of them at once: a layout is fixed once, not once per rule
-            keys = list(dict.fromkeys(keys[0] for keys, _ in rules))
-            raise FieldError(keys[0], f"{', '.join(keys)}: {len(rules)} parallel rules are broken: "
-                                      + "; ".join(f"({n}) {message}" for n, (_, message) in enumerate(rules, 1)))
+    @property
+    def resolved_memory(self) -> MemoryConfig:
+        """`memory:` with its nulls set to what train.backend runs on hardware.profile (rlslurm/plan/memory.py)."""
+        return resolve_memory(self.memory, self.train.backend, self.hardware.profile)
 
-    def train_gpus(self) -> int | None:
-        """Training GPUs of the configured split; None while the plan has yet to choose it."""
-        hw, pl = self.hardware, self.placement
-        if pl.mode == "colocate":
-            return hw.total_gpus
-        if pl.rollout_nodes is not None:
-            return (hw.nodes - pl.rollout_nodes) * hw.gpus_per_node
-        return None
+    def accumulates(self, dp: int) -> bool:
+        """Whether one optimizer step of the trainer takes more than one micro-batch per rank at data-parallel
+        size `dp` (its first micro-batch's gradients then wait beside the next one's activations)."""
+        if self.job.kind == "rl":
+            per_rank = self.rl.prompts_per_step * self.rl.samples_per_prompt / (dp * self.rl.mini_batches)
+        elif self.job.kind == "sft":
+            per_rank = self.train.batch_size / dp
+        else:
+            return False
+        return per_rank > self.parallel.micro_batch_size
 
-    def _split_note(self) -> str:
-        pl = self.placement
-        return (f" (placement.mode = {pl.mode!r}, placement.rollout_nodes = {pl.rollout_nodes}, "
-                f"hardware.nodes = {self.hardware.nodes} x hardware.gpus_per_node = {self.hardware.gpus_per_node})")
 
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:

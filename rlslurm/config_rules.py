@@ -13,6 +13,13 @@ resolved config in a run directory spells out every default).
 Rules that need the plan's choice (the split under `placement.mode: auto` without rollout_nodes) are
 checked only where the config alone states the layout (rlslurm/plan/placement.py `stated_placement`, the
 planner's own reading of it; `auto` sync is resolved by SyncConfig.resolved_method alone).
+
+`job_rules` is every rule between sections, in the order `JobConfig.__post_init__` checks them (the first one
+broken is the error): what the sections must agree on (`between_sections`: placement and hardware, the reward
+component's partition, SFT's dev target, ...), the values the layout would ignore (`ignored_values`), what the
+Megatron trainer cannot run (`megatron_rules`) and the parallel layout's divisibility (`parallel_rules`, all of
+its broken rules in one message). One module, as torchtitan keeps its cross-section checks in one validation
+module: config.py imports nothing of the trainers to check a job.
 """
 
 from __future__ import annotations
@@ -21,7 +28,9 @@ import dataclasses
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from rlslurm.plan.parallel import static_rules, world_rules
 from rlslurm.plan.placement import stated_placement
+from rlslurm.rl.config import job_rules as rl_algorithm_rules
 from rlslurm.safeyaml import excerpt
 
 if TYPE_CHECKING:  # config.py imports this module
@@ -50,6 +59,92 @@ def _ignored(key: str, value: Any, by: str, why: str, fix: str) -> Rule:
     return key, f"{key} = {excerpt(value)} is ignored with {by} ({why}): {fix}"
 
 
+def job_rules(job: "JobConfig") -> Iterator[Rule]:
+    """Every rule between the sections of `job` that it breaks, in the order they are checked."""
+    yield from between_sections(job)
+    yield from ignored_values(job)
+    if job.train.backend == "megatron":
+        yield from megatron_rules(job)
+    yield from parallel_rules(job)
+
+
+def between_sections(job: "JobConfig") -> Iterator[Rule]:
+    """What two sections must agree on: a layout that leaves training no node, an engine wider than a node, the
+    reward component without a partition, SFT's dev target without a dev split, data for a loop that reads none."""
+    hw, pl = job.hardware, job.placement
+    if pl.rollout_nodes is not None and not pl.rollout_nodes < hw.nodes:
+        yield ("placement.rollout_nodes", f"must leave training at least one node: placement.rollout_nodes = "
+                                          f"{pl.rollout_nodes}, hardware.nodes = {hw.nodes}")
+    if not job.rollout.tp <= hw.gpus_per_node:
+        yield ("rollout.tp", f"must be <= hardware.gpus_per_node = {hw.gpus_per_node} (one engine stays inside "
+                             "a node)")
+    if job.reward.service == "component" and not job.reward.partition:
+        yield ("reward.partition", "is required when reward.service = 'component' (the SLURM partition of the "
+                                   "reward component)")
+    if job.job.kind == "sft" and job.train.stop_at_accuracy is not None:
+        if job.data.train is not None:
+            yield ("train.stop_at_accuracy", "is measured on the arithmetic task's dev split (task.dev_size); with "
+                                             "data.train it is not built yet: remove it and set train.steps")
+        if not job.task.dev_size > 0:
+            yield ("train.stop_at_accuracy", "needs a dev split to measure it on: set task.dev_size (e.g. 500), "
+                                             "disjoint from train and held-out")
+    if job.data.train is not None and job.job.kind not in ("sft", "rl"):
+        yield ("data.train", f"is read by the sft and rl entrances; job.kind = {job.job.kind!r} has no data")
+
+
+def megatron_rules(job: "JobConfig") -> Iterator[Rule]:
+    """Each setting the Megatron trainer (rlslurm/megatron/: SFT or RL) cannot run, with train.backend =
+    megatron; MegatronPolicy checks a hand-built job again."""
+    if job.job.kind not in ("rl", "sft"):
+        yield ("train.backend", f"is implemented for job.kind = 'rl' and 'sft', not job.kind = {job.job.kind!r}: "
+                                "set train.backend = torch")
+    if job.job.kind == "rl" and job.rl.kl_coef > 0:
+        yield ("rl.kl_coef", "> 0 needs a frozen reference model, which train.backend = 'megatron' does not build "
+                             "yet: set rl.kl_coef = 0 or train.backend = torch")
+    # The layouts its trainer does not split over yet (PP, CP, EP, MoE) are planned and refused by the pre-flight
+    # (rlslurm/plan/parallel.py trainer_rules): the arithmetic is for the cluster a user will run.
+    if job.train.lora.enabled:
+        yield ("train.lora.rank", "is refused with train.backend = 'megatron': megatron-core 0.16 has no LoRA layer "
+                                  "of its own (NeMo's PEFT lives outside it); set train.backend: torch (PEFT, "
+                                  "rlslurm/lora.py) or train.lora.rank: 0")
+    if job.memory.weight_bytes not in (None, 2.0, 4.0):
+        yield ("memory.weight_bytes", "must be 2 (bf16 weights, fp32 master copy) or 4 (fp32) with "
+                                      "train.backend = 'megatron'")
+
+
+def parallel_rules(job: "JobConfig") -> Iterator[Rule]:
+    """The parallel layout's divisibility (rlslurm/plan/parallel.py) against the model and, where the config
+    states the split, the training GPUs: one rule naming every broken one, since a layout is fixed once."""
+    m = job.model
+    rules = [(r.keys, r.message) for r in static_rules(job.parallel, m.layers, m.heads, m.n_kv_heads, m.experts,
+                                                         job.hardware.gpus_per_node, job.rollout.tp)]
+    world = _train_gpus(job)
+    if world is not None:
+        rules += [(r.keys, r.message + _split_note(job)) for r in world_rules(job.parallel, world)]
+    if len(rules) == 1:
+        yield rules[0][0][0], rules[0][1]
+    elif rules:
+        keys = list(dict.fromkeys(keys[0] for keys, _ in rules))
+        yield keys[0], (f"{', '.join(keys)}: {len(rules)} parallel rules are broken: "
+                        + "; ".join(f"({n}) {message}" for n, (_, message) in enumerate(rules, 1)))
+
+
+def _train_gpus(job: "JobConfig") -> int | None:
+    """Training GPUs of the configured split; None while the plan has yet to choose it."""
+    hw, pl = job.hardware, job.placement
+    if pl.mode == "colocate":
+        return hw.total_gpus
+    if pl.rollout_nodes is not None:
+        return (hw.nodes - pl.rollout_nodes) * hw.gpus_per_node
+    return None
+
+
+def _split_note(job: "JobConfig") -> str:
+    pl, hw = job.placement, job.hardware
+    return (f" (placement.mode = {pl.mode!r}, placement.rollout_nodes = {pl.rollout_nodes}, "
+            f"hardware.nodes = {hw.nodes} x hardware.gpus_per_node = {hw.gpus_per_node})")
+
+
 def ignored_values(job: "JobConfig") -> Iterator[Rule]:
     """Every value of `job` that its layout, job kind, engine, transport or reward service would ignore."""
     yield from _placement(job)
@@ -61,6 +156,7 @@ def ignored_values(job: "JobConfig") -> Iterator[Rule]:
         yield from _rl_sync(job)
         yield from _rl_reward(job)
         yield from _rl_train(job)
+        yield from rl_algorithm_rules(job)  # the GRPO family's switches (rlslurm/rl/config.py)
     if job.job.kind == "sft":
         yield from _sft(job)
 
@@ -180,18 +276,30 @@ _SERVICE_ONLY = ("batch_size", "timeout_s", "retries", "retry_backoff_s", "degra
                  "start_timeout_s", "max_restarts")
 """reward.* that only the reward service and its client read: with reward.service inline the controller
 scores each response in-process by the task's rule, with no request to time out, retry or degrade."""
+_INLINE_ROWS = ("timeout_s", "degrade", "neutral_score")
+"""reward.* the inline scorer of a user's rows reads too (rlslurm/rl/scoring.py: each item bounded, then degraded)."""
+_INLINE_SCORERS = ("rule", "function")
+"""Scorers reward.service inline runs for a user's rows (rlslurm/rl/scoring.py): the service would add only an HTTP
+round trip per batch. code, model and judge keep the supervised service (a sandbox's or an endpoint's failures
+are the service's to absorb)."""
 
 
 def _rl_reward(job: "JobConfig") -> Iterator[Rule]:
     w = job.reward
     service, scorer = f"reward.service = {w.service!r}", f"reward.scorer = {w.scorer!r}"
+    rows = job.data.train is not None
     if w.service == "inline":
-        if w.scorer != "rule":
-            yield _ignored("reward.scorer", w.scorer, service, "the controller scores with the task's own rule",
+        if not rows and w.scorer != "rule":
+            yield _ignored("reward.scorer", w.scorer, service, "the controller scores the task with its own rule",
                            "set reward.service: local (or component) for another scorer")
+        if rows and w.scorer not in _INLINE_SCORERS:
+            yield ("reward.scorer", f"reward.scorer = {w.scorer!r} needs the supervised reward service, but "
+                                    f"{service} scores in the controller (only {' and '.join(_INLINE_SCORERS)} do): "
+                                    "set reward.service: local (or component)")
         for name, value in _changed(w, *_SERVICE_ONLY):
-            yield _ignored(f"reward.{name}", value, service, "no service: the controller scores in-process",
-                           "remove it, or set reward.service: local")
+            if not (rows and name in _INLINE_ROWS):
+                yield _ignored(f"reward.{name}", value, service, "no service: the controller scores in-process",
+                               "remove it, or set reward.service: local")
     if w.partition is not None and w.service != "component":
         yield _ignored("reward.partition", w.partition, service, "only a reward component has a partition",
                        "remove it, or set reward.service: component")

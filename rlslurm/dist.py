@@ -12,11 +12,14 @@ import datetime
 import gc
 import os
 from dataclasses import dataclass
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from rlslurm.network import NODE_DERIVED_ENV
+
+# torch is imported where it is used: Topology and free_port serve processes that hold no torch (`rlslurm submit
+# --wait`, the job entry of a reward component), and torch's import is ~250 MB of private memory per process.
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -137,6 +140,8 @@ def bind_to_node_address(env=None) -> str | None:
 
 def backend_for_device() -> str:
     """nccl where CUDA is available, gloo otherwise: the one switch between GPU and CPU paths."""
+    import torch
+
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
@@ -144,6 +149,8 @@ def compute_device() -> torch.device:
     """Where this rank's tensors live: the GPU init_process_group made current where CUDA is available,
     else the CPU. With backend_for_device, the one switch: NCCL reduces only GPU tensors, so every tensor a
     collective of the default group sees must be made here (models, batches, the step-boundary flags)."""
+    import torch
+
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
@@ -151,6 +158,8 @@ def bind_local_gpu(local_rank: int, required: bool = True) -> torch.device | Non
     """Make this rank's own GPU current: its local rank's among those it sees (rlslurm/devices.py says who
     shows which). A rank without one of its own raises (RlslurmError) rather than share a GPU with a peer;
     with `required` False (a gloo job on a GPU node) it stays on the CPU then."""
+    import torch
+
     count = torch.cuda.device_count()
     if local_rank >= count:
         if not required:
@@ -174,6 +183,8 @@ def release_process_group_users() -> None:
     and joins its threads: a finished run's rank 1 waited in it for good, its peer gone (CI, py-spy
     --native: `~ProcessGroupGloo` -> `std::thread::join` from the Reducer's dealloc). Callers drop their own
     references to the model first; the collection here frees what cycles still hold."""
+    import torch.distributed as dist
+
     gc.collect()
     dist.barrier()
 
@@ -189,6 +200,9 @@ def init_process_group(topo: Topology, timeout_s: float = 120.0, backend: str | 
     The rendezvous is the job's store (rlslurm/jobstore.py), hosted by rank 0 on MASTER_ADDR only (never every
     interface, as torch's own tcp:// store does), and joined only by ranks that prove the job's secret (`token`,
     default: the run's secret file, jobstore.job_token())."""
+    import torch
+    import torch.distributed as dist
+
     if dist.is_initialized():
         return
     backend = backend or backend_for_device()

@@ -67,6 +67,12 @@ class ResponsesError(RlslurmError):
     exit_code = 2
 
 
+class OutputFileError(RlslurmError):
+    """A file the CLI was told to write is already there (or is a link it will not write through)."""
+
+    exit_code = 2
+
+
 class RunDirError(RlslurmError):
     """A run directory or job id that cannot be found or read."""
 

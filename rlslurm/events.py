@@ -109,6 +109,14 @@ TRAINER_RESTARTS_SPENT = declare("trainer_restarts_spent", "a trainer rank died 
 NO_PROGRESS = declare("no_progress", "starts in a row resumed from one step: the job stops requeueing (exit 77)",
                       by="rlslurm/lifecycle.py",
                       required=("step", "checkpoint", "restart_count", "fruitless_starts", "reason"))
+MEMORY_CAPPED = declare("memory_capped", "a cpu-profile trainer rank capped what it allocates at hardware.hbm_gb in a "
+                        "memory cgroup of its own (or says why it could not: `reason`)", by="rlslurm/memcap.py",
+                        required=("rank", "capped", "hbm_gb"),
+                        optional=("cap_gb", "rss_at_cap_gb", "limit_bytes", "cgroup", "reason"))
+PLAN_OFF = declare("plan_off", "a steady-state figure the plan predicted (plan.json) is more than 10 % off what the "
+                   "run measured (rlslurm/plan_vs_run.py): `rlslurm plan CONFIG --from-run RUN` calibrates from it",
+                   by="rlslurm/plan_vs_run.py",
+                   required=("step", "figure", "planned", "measured", "ratio"), optional=("fix",))
 FIRST_STEP = declare("first_step", "the first step of this start is trained (requeue -> training again ends here)",
                      by=("rlslurm/rl/loop.py", "jobs/toytrain.py"), required=("step", "since_process_start_s"),
                      optional=("policy_version", "device"))
@@ -154,13 +162,18 @@ REQUEUE = declare("requeue", "the leader requeued the whole job through SLURM", 
 REQUEUE_FAILED = declare("requeue_failed", "scontrol requeue failed: the job does not come back by itself",
                          by="rlslurm/lifecycle.py", required=("step", "job_id", "error"))
 CHECKPOINT_SAVED = declare("checkpoint_saved", "a checkpoint is complete (manifest written, renamed into place)",
-                           by="rlslurm/checkpoint.py", required=("step", "checkpoint", "seconds", "bytes"),
-                           informational=True)
+                           by="rlslurm/checkpoint.py", required=("step", "checkpoint", "seconds", "bytes"))
 CHECKPOINT_FAILED = declare("checkpoint_failed", "writing a checkpoint failed: its temp dir is removed, the newest "
                             "complete one stays what resume takes (`disk_full`: no space left)",
-                            by="rlslurm/checkpoint.py",
+                            by="rlslurm/checkpoint_failure.py",
                             required=("step", "checkpoint", "error", "disk_full", "free_bytes", "filesystem"),
-                            optional=("errno", "newest_complete"))
+                            optional=("errno", "newest_complete", "attempt", "attempts"))
+CHECKPOINT_SAVE_SKIPPED = declare("checkpoint_save_skipped", "every try of a checkpoint save failed "
+                                  "(checkpoint.save_attempts, with backoff): training goes on and the newest "
+                                  "complete checkpoint stays what resume takes; past checkpoint.max_failed_saves such "
+                                  "saves in a row the job stops (`stopping`)", by="rlslurm/rl/checkpointing.py",
+                                  required=("step", "attempts", "failed_saves", "max_failed_saves", "error",
+                                            "stopping"), optional=("newest_complete",))
 CHECKPOINT_SKIPPED = declare("checkpoint_skipped", "resume skipped a broken or half-written checkpoint",
                              by="rlslurm/checkpoint.py", required=("step", "checkpoint", "reason"),
                              optional=("moved_to",))
@@ -181,6 +194,11 @@ HEARTBEAT_UNWRITABLE = declare("heartbeat_unwritable", "a process could not writ
                                 by="diag/heartbeat.py", required=("path", "error", "errno"))
 HEARTBEAT_RESTORED = declare("heartbeat_restored", "a heartbeat that could not be written is written again",
                              by="diag/heartbeat.py", required=("path", "unwritable_s"))
+JOB_SUSPENDED = declare("job_suspended", "the node agent found the job suspended (`scontrol suspend`): every rank "
+                        "of its node stopped and SLURM calling it SUSPENDED, or itself stopped with them for "
+                        "`unobserved_s`; no hang is called for that time, heartbeat ages count from its resume",
+                        by="diag/suspend.py", required=("node", "ranks", "slurm_state"), optional=("unobserved_s",),
+                        informational=True)
 NODE_AGENT_DIED = declare("node_agent_died", "the node agent (diag/watchdog.py) of a node exited while the ranks "
                           "it watches ran (a crash, a kill); restarted within its budget, else that node's hangs "
                           "go unwatched", by="diag/agent.py",
@@ -188,7 +206,8 @@ NODE_AGENT_DIED = declare("node_agent_died", "the node agent (diag/watchdog.py) 
                           optional=("signal", "log_tail"))
 RANK_DIED = declare("rank_died", "the node agent found a trainer rank's process gone while its heartbeat still said "
                     "running (no exception, no exit of its own: the OOM killer, a segfault, a SIGKILL), with the "
-                    "kernel's OOM-kill counts of its memory cgroup and of its node since the agent first saw it",
+                    "kernel's OOM-kill counts of its memory cgroup and of its node since the agent first saw it (a "
+                    "cpu-profile rank that died before the agent's first look: from its `memory_capped` cgroup)",
                     by="diag/deaths.py", required=("rank_pid", "phase", "step", "oom_killed"),
                     optional=("cgroup", "cgroup_oom_kills", "node_oom_kills", "memory_limit_bytes",
                               "memory_peak_bytes"))
@@ -200,6 +219,10 @@ NODE_LOST = declare("node_lost", "a restart found a node of the previous attempt
                     required=("node", "state", "reason", "restart_count"))
 FAULT_INJECTED = declare("fault_injected", "a test hook of the toy job injected a fault", by="jobs/toytrain.py",
                          required=("fault", "step", "mode"), optional=("op", "seq"), informational=True)
+JOB_SIGTERM = declare("job_sigterm", "SLURM sent SIGTERM to the batch step (a preemption, a requeue, the time "
+                      "limit, `scancel --signal=TERM --full`): the trainer supervisor passed it on to the tasks of "
+                      "every component, so every rank and role drains", by="rlslurm/slurm/supervisor.py",
+                      required=("components", "relayed"), optional=("restart_count",))
 BATCH_REQUEUED = declare("batch_requeued", "the batch script (the trainer supervisor) was killed by a signal before "
                          "the job finished, and SLURM ended every component FAILED: rlslurm's strigger requeued it",
                          by="rlslurm/slurm/rejoin.py", required=("job_id", "fired_by", "states", "reason", "result"),
@@ -225,22 +248,20 @@ ENGINE_UNHEALTHY = declare("engine_unhealthy", "a rollout engine gave no healthy
 ENGINE_RESTARTED = declare("engine_restarted", "a replaced rollout engine serves again (same URL, a new "
                            "generation); it takes traffic once the controller synced and verified it",
                            by="rlslurm/rollout/supervisor.py",
-                           required=("engine", "node", "pid", "generation", "url", "reason", "start_s"),
-                           informational=True)
+                           required=("engine", "node", "pid", "generation", "url", "reason", "start_s"))
 ENGINE_START_FAILED = declare("engine_start_failed", "a restart of a rollout engine did not become healthy; the "
                               "supervisor tries again within its budget", by="rlslurm/rollout/supervisor.py",
                               required=("engine", "attempt", "error"), informational=True)
-ENGINE_DOWN = declare("engine_down", "a rollout engine failed past rollout.max_restarts: its supervisor gave up "
-                      "and the job fails as an engine failure", by="rlslurm/rollout/supervisor.py",
+ENGINE_DOWN = declare("engine_down", "a rollout engine failed past rollout.max_restarts: its supervisor gave up; "
+                      "it leaves the rotation for good and the others serve on (every engine down: the job fails "
+                      "as an engine failure)", by="rlslurm/rollout/supervisor.py",
                       required=("engine", "node", "restarts", "max_restarts", "reason", "log"))
 ENGINE_OUT = declare("engine_out", "the controller took a failed rollout engine out of rotation mid-step; its "
                      "prompts went to the engines left", by="rlslurm/rl/engines.py",
-                     required=("engine", "url", "cause", "resent"), optional=("call", "node", "pid", "status"),
-                     informational=True)
+                     required=("engine", "url", "cause", "resent"), optional=("call", "node", "pid", "status"))
 ENGINE_READMITTED = declare("engine_readmitted", "a replaced rollout engine passed a weight sync's VERIFY at the "
                             "current version and takes traffic again", by="rlslurm/rl/engines.py",
-                            required=("engine", "url", "version", "generation"), optional=("step",),
-                            informational=True)
+                            required=("engine", "url", "version", "generation"), optional=("step",))
 SYNC_VERIFIED = declare("sync_verified", "a weight sync passed VERIFY and the engines serve `version`",
                         by="rlslurm/sync/protocol.py", required=("version", "transport"), optional=("step",),
                         open_fields=True)
@@ -262,6 +283,10 @@ STEP_ABANDONED = declare("step_abandoned", "SLURM stops the job mid-step: the st
                          by="rlslurm/rl/loop.py", required=("step", "reason"))
 EXPERIENCE_RESTORED = declare("experience_restored", "experience made ahead (rl.max_staleness) came back from the "
                               "checkpoint", by="rlslurm/rl/controller.py", required=("steps",))
+TOOL_ERRORS = declare("tool_errors", "tool calls of a step's episodes failed (malformed, unknown tool, bad arguments, "
+                      "raised, timed out, too long an output): each was told to the model as a short error and the "
+                      "step went on; counts per kind", by="rlslurm/rl/episodes.py",
+                      required=("step", "errors", "kinds", "calls"), informational=True)
 
 # -- the reward service -----------------------------------------------------------------------------------
 
@@ -285,6 +310,10 @@ REWARD_SERVICE_RESTARTED = declare("reward_service_restarted", "the supervisor r
 REWARD_SERVICE_DOWN = declare("reward_service_down", "the reward service is gone past its restart budget "
                               "(reward.max_restarts): the supervisor gave up", by="rlslurm/reward/supervisor.py",
                               required=("restarts", "attempts", "max_restarts", "reason", "log"))
+REWARD_WORKER_DIED = declare("reward_worker_died", "a worker process of the reward service (a user's reward "
+                             "function, math-verify) died while scoring: its item is unscored (reward.degrade) and a "
+                             "fresh worker takes its slot", by="rlslurm/reward/workers.py",
+                             required=("what", "worker_pid", "exit_code"))
 REWARD_SERVICE = (REWARD_SERVICE_DIED, REWARD_SERVICE_UNHEALTHY, REWARD_SERVICE_START_FAILED,
                   REWARD_SERVICE_RESTARTED, REWARD_SERVICE_DOWN)
 """What the supervisor says of the service it keeps alive."""

@@ -17,6 +17,13 @@ reads and writes keys). So here the store server is our own, and torch only sees
   answers HMAC-SHA256(secret, "client" | server nonce | client nonce), the server answers with its own HMAC
   (so a client knows it reached the job's store, not a squatter on the port). A wrong or late answer closes
   the connection before any key is read or written; the secret never crosses the wire.
+- The whole handshake has HANDSHAKE_TIMEOUT_S, however its bytes trickle (not a timeout per read: a stranger
+  sending a byte every 8 s held a connection for minutes), and at most MAX_PENDING_HANDSHAKES connections are
+  in it at once. A new connection past that closes the oldest one in it, if that one is older than
+  HANDSHAKE_GRACE_S (a stranger's trickle; the job's own answer in milliseconds); with none that old, the new
+  one is told `RLSB` (busy) instead of the challenge. A client told so, or shut before any challenge, retries
+  until its own deadline and then says the store was busy: only a refused proof is a StoreAuthError (issue
+  37: 64 trickling connections made every new rank fail at once with "refused this process's proof").
 - Then framed requests (an op byte and length-prefixed byte strings; no pickle, every length bounded).
 
 Without a secret (a process started by hand, a test) `rendezvous_store` falls back to torch's TCPStore served
@@ -42,12 +49,16 @@ import torch.distributed as dist
 
 NONCE_BYTES = 32
 HANDSHAKE_TIMEOUT_S = 10.0
-"""A connection that has not proved the secret by then is closed (a stranger cannot hold a thread open)."""
+"""Seconds a connection has from accept to a proved secret, all reads together; then it is closed."""
 MAX_FRAME_BYTES = 64 << 20
 MAX_ARGS = 1 << 16
 MAX_PENDING_HANDSHAKES = 64
-"""Connections at once that have not yet proved the secret; more are closed at accept."""
+"""Connections at once that have not yet proved the secret (each a thread waiting on 64 bytes)."""
+HANDSHAKE_GRACE_S = 0.5
+"""A connection in its handshake this young is not closed to make room for a new one."""
 CONNECT_RETRY_S = 0.05
+BUSY = b"RLSB"
+"""What the store sends instead of its challenge when its handshake slots are all taken: retry."""
 
 OPS = ("set", "get", "add", "compare_set", "wait", "check", "delete_key", "num_keys", "multi_get", "multi_set",
        "append", "list_keys")
@@ -93,9 +104,15 @@ def bound_socket(host: str, port: int) -> socket.socket:
 
 # -- framing ---------------------------------------------------------------------------------------------------
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """`n` bytes; with a deadline (time.monotonic), all of them by then (socket.timeout past it)."""
     buf = bytearray()
     while len(buf) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout(f"{len(buf)} of {n} bytes by the deadline")
+            sock.settimeout(left)
         chunk = sock.recv(n - len(buf))
         if not chunk:
             raise ConnectionError("store connection closed")
@@ -145,8 +162,11 @@ class StoreServer:
         self.host, self.port = host, self.sock.getsockname()[1]
         self.data: dict[str, bytes] = {}
         self.cond = threading.Condition()
-        self.pending = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
+        self.pending: dict[socket.socket, float] = {}  # connections in their handshake -> accepted at (monotonic)
+        self.pending_lock = threading.Lock()
         self.refused = 0  # connections that failed the challenge: tests and logs read it
+        self.evicted = 0  # connections closed in their handshake to make room for a new one
+        self.busy = 0  # connections told BUSY
         self._closed = False
         threading.Thread(target=self._accept, name=f"jobstore-{self.port}", daemon=True).start()
 
@@ -164,17 +184,42 @@ class StoreServer:
                 conn, _ = self.sock.accept()
             except OSError:
                 return
-            if not self.pending.acquire(blocking=False):
-                conn.close()
+            if not self._admit(conn):
                 continue
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
+    def _admit(self, conn: socket.socket) -> bool:
+        """Make room among the connections in their handshake: close the oldest past the grace, or tell the
+        new one BUSY (False) when all are younger."""
+        now = time.monotonic()
+        with self.pending_lock:
+            if len(self.pending) >= MAX_PENDING_HANDSHAKES:
+                oldest, since = next(iter(self.pending.items()))
+                if now - since < HANDSHAKE_GRACE_S:
+                    self.busy += 1
+                    try:
+                        conn.settimeout(1.0)
+                        conn.sendall(BUSY)
+                    except OSError:
+                        pass
+                    conn.close()
+                    return False
+                del self.pending[oldest]
+                self.evicted += 1
+                try:
+                    oldest.shutdown(socket.SHUT_RDWR)  # its thread's read ends; the thread closes it
+                except OSError:
+                    pass
+            self.pending[conn] = now
+        return True
+
     def _handshake(self, conn: socket.socket) -> bool:
-        conn.settimeout(HANDSHAKE_TIMEOUT_S)
+        deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
         try:
             server_nonce = secrets.token_bytes(NONCE_BYTES)
+            conn.settimeout(HANDSHAKE_TIMEOUT_S)
             conn.sendall(b"RLSS" + server_nonce)
-            answer = _recv_exact(conn, NONCE_BYTES + 32)
+            answer = _recv_exact(conn, NONCE_BYTES + 32, deadline)
             client_nonce, mac = answer[:NONCE_BYTES], answer[NONCE_BYTES:]
             if not hmac.compare_digest(mac, _mac(self.token, b"client", server_nonce, client_nonce)):
                 self.refused += 1
@@ -184,7 +229,8 @@ class StoreServer:
             self.refused += 1
             return False
         finally:
-            self.pending.release()
+            with self.pending_lock:
+                self.pending.pop(conn, None)
         conn.settimeout(None)
         return True
 
@@ -267,24 +313,47 @@ class JobStore(dist.Store):
         self._sock = self._connect(timeout.total_seconds())
 
     def _connect(self, timeout_s: float) -> socket.socket:
+        """An authenticated connection, within `timeout_s`: retried while the store is not up yet, or busy with
+        other connections' handshakes (told BUSY, or shut before its challenge); StoreAuthError only for a
+        refused proof or a store that does not prove the secret."""
         deadline = time.monotonic() + timeout_s
+        busy, last = 0, ""
         while True:
             try:
                 sock = socket.create_connection((self.host, self.port), timeout=HANDSHAKE_TIMEOUT_S)
-                break
             except OSError as e:  # the store's host may not be up yet
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the job's store {self.host}:{self.port} did not answer within "
-                                       f"{timeout_s:.0f} s: {e}") from None
-                time.sleep(CONNECT_RETRY_S)
+                last = f"{type(e).__name__}: {e}"
+            else:
+                try:
+                    hello = _recv_exact(sock, 4 + NONCE_BYTES, min(deadline, time.monotonic() + HANDSHAKE_TIMEOUT_S))
+                except (ConnectionError, OSError) as e:
+                    sock.close()
+                    busy, last = busy + 1, f"shut before its challenge ({type(e).__name__}: {e})"
+                else:
+                    if hello[:4] != BUSY:
+                        return self._prove(sock, hello)
+                    sock.close()
+                    busy, last = busy + 1, "busy (all its handshake slots taken)"
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the job's store {self.host}:{self.port} did not admit this process within "
+                                   f"{timeout_s:.0f} s: {busy} attempts were turned away before the challenge "
+                                   f"(connections that have not proved the secret may hold its handshake slots); "
+                                   f"last: {last}")
+            time.sleep(min(CONNECT_RETRY_S * 2 ** min(busy, 5), max(0.0, deadline - time.monotonic())))
+
+    def _prove(self, sock: socket.socket, hello: bytes) -> socket.socket:
+        """The challenge-response on `sock`, whose server sent `hello`."""
+        deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
         try:
-            hello = _recv_exact(sock, 4 + NONCE_BYTES)
             if hello[:4] != b"RLSS":
                 raise StoreAuthError(f"{self.host}:{self.port} is not the job's store")
             server_nonce, client_nonce = hello[4:], secrets.token_bytes(NONCE_BYTES)
             sock.sendall(client_nonce + _mac(self.token, b"client", server_nonce, client_nonce))
-            proof = _recv_exact(sock, 32)
-        except ConnectionError as e:
+            proof = _recv_exact(sock, 32, deadline)
+        except StoreAuthError:
+            sock.close()
+            raise
+        except (ConnectionError, OSError) as e:
             sock.close()
             raise StoreAuthError(f"the store at {self.host}:{self.port} refused this process's proof of the job's "
                                  f"secret (another job's store on this port, or another secret): {e}") from None

@@ -109,7 +109,7 @@ def prepare(job: JobConfig, *, config_text: str, force: bool = False, run_root: 
             backend: str | None = None):
     """Plan, pre-flight and a new run directory holding the config and the plan. Nothing is submitted.
     `backend` local: the machine must have the GPUs the layout asks (PreflightError before any directory)."""
-    from rlslurm.plan.report import render_json
+    from rlslurm.plan.render import render_json
 
     plan, problems = checked_plan(job, force)
     if backend == "local":
@@ -165,7 +165,7 @@ def resume(target: str, *, overrides: tuple[str, ...] = (), force: bool = False,
     and pre-flighted like a new submission. Refused while a job of the run still shows signs of life."""
     from rlslurm.config import load_config
     from rlslurm.data.check import check_data
-    from rlslurm.plan.report import render_json
+    from rlslurm.plan.render import render_json
     from rlslurm.status import slurm_components
 
     run, previous = find_run(target, run_root)

@@ -40,6 +40,8 @@ PARENT_ENV = "RLSLURM_PARENT_PID"
 PR_SET_PDEATHSIG = 1
 POLL_S = 0.5
 """Seconds between the watch's getppid() checks: how late a child started from a thread notices."""
+UNCAPPED_ENV = "RLSLURM_UNCAPPED_CGROUP"
+"""Set by a memory-capped trainer rank (rlslurm/memcap.py) for what it starts: the cgroup it left."""
 KILL_AFTER_S = 30.0
 """Seconds the watch gives this process's own SIGTERM handling before SIGKILL (SLURM's KillWait, say)."""
 
@@ -93,3 +95,28 @@ def bind_to_parent(sig: int = signal.SIGTERM, poll_s: float = POLL_S) -> int | N
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
     return parent
+
+
+def process_age_s(pid: int | str = "self") -> float:
+    """Seconds since process `pid` started, to the kernel's clock tick (/proc/<pid>/stat's start time against
+    /proc/uptime). psutil's create_time adds the boot time, which /proc/stat rounds to a whole second: an age from it
+    is off by up to a second, as much as a start-up figure of a few seconds can afford."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    with open("/proc/uptime") as f:
+        uptime = float(f.read().split()[0])
+    return uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")
+
+
+def leave_parent_cap() -> None:
+    """In a process a memory-capped trainer rank started (its engines, the reward service): go back to the cgroup
+    the rank left, before anything is imported (rlslurm/__init__.py calls it). Their memory is their own, as an
+    engine's on another GPU is, not the rank's: a child inherits its parent's cgroup, and the pages a process
+    takes stay charged where it took them. The variable is removed, so what this process starts stays here too."""
+    base = os.environ.pop(UNCAPPED_ENV, None)
+    if base:
+        try:
+            with open(os.path.join(base, "cgroup.procs"), "w") as f:
+                f.write(str(os.getpid()))
+        except OSError as e:  # the rank's cap then holds this process too: say so, do not fail the process
+            log.warning("could not leave the capped rank's memory cgroup for %s: %s", base, e)

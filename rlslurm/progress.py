@@ -20,7 +20,7 @@ from collections import defaultdict, deque
 from typing import TextIO
 
 from rlslurm import events
-from rlslurm.rundir import JsonlTail, RunDir
+from rlslurm.rundir import JsonlTail, RunDir, current_names
 
 PHASES = ("rollout", "reward", "train", "sync")
 # Events that change what a reader should know about the run, as the line's last part says them.
@@ -43,6 +43,12 @@ NOTABLE = {
     events.REWARD_SERVICE_RESTARTED: "reward service restarted",
     events.REWARD_SERVICE_DOWN: "reward service down after {restarts} restarts (reward.max_restarts {max_restarts})",
     events.CHECKPOINT_SKIPPED: "checkpoint {checkpoint} skipped: {reason}",
+    events.CHECKPOINT_FAILED: "checkpoint of step {step} failed: {error}",
+    events.CHECKPOINT_SAVE_SKIPPED: "checkpoint of step {step} skipped after {attempts} tries ({failed_saves} in a "
+                                    "row, checkpoint.max_failed_saves {max_failed_saves}); newest: {newest_complete}",
+    events.ENGINE_DOWN: "engine {engine} down past rollout.max_restarts {max_restarts}: out of rotation, the others "
+                        "serve on",
+    events.JOB_SIGTERM: "SIGTERM from SLURM: every rank and role drains",
     events.PHASE_FAILED: "failed in {phase}: {error}",
     events.NO_PROGRESS: "stopped: no progress over restarts",
     events.DONE: "done",
@@ -91,11 +97,13 @@ class Progress:
         self.finished = False  # the newest job emitted one of events.FINISHED: it trained to the end
         self.last_event: str | None = None
         self._shown: str | None = None
+        self._failure_said = False  # this start's first phase_failed is the cause; later ones are its echoes
 
     def _take(self, record: dict) -> None:
+        record = current_names(record)  # an old SFT run spelled it heldout_accuracy
         if record.get("kind") == "sft_eval":
-            if "heldout_accuracy" in record:  # SFT on a user's dataset records a held-out loss instead
-                self._evaluated(record, record["heldout_accuracy"])
+            if "held_out_accuracy" in record:  # SFT on a user's dataset records a held-out loss instead
+                self._evaluated(record, record["held_out_accuracy"])
             return
         if "step" not in record or record.get("final") or not ("policy_version" in record or "loss" in record):
             return
@@ -125,8 +133,15 @@ class Progress:
             self._evaluated(event, event["held_out_accuracy"])
         if kind in (events.SUBMITTED, events.START, events.RESUME):
             self._restart_rate()
+            self._failure_said = False
         if kind in (events.SUBMITTED, *events.FINISHED):
             self.finished = kind in events.FINISHED
+        if kind == events.PHASE_FAILED:
+            # The first rank to fail names the cause (rank 0's PermissionError); its peers' failures after it are
+            # echoes ("Connection closed by peer" of gloo on rank 1, issue 38) and do not replace it.
+            if self._failure_said:
+                return
+            self._failure_said = True
         if kind in NOTABLE:
             self.note = _event_note(event)
         elif kind in (events.SUBMITTED, events.START):  # a new job or start: the last one's word is history

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from rlslurm import events
 from rlslurm.errors import RunDirError
-from rlslurm.rundir import RunDir, read_jsonl
+from rlslurm.rundir import RunDir, current_names, read_jsonl
 
 PHASES = ("rollout", "reward", "train", "sync")
 PHASE_COLORS = {"rollout": "#4C72B0", "reward": "#DD8452", "train": "#55A868", "sync": "#C44E52", "idle": "#BBBBBB"}
@@ -112,10 +112,9 @@ def _evals(records: list[dict], said: list[dict], steps: list[dict]) -> list[tup
     for e in said:  # the RL job evaluates the starting policy at step 0 as an event
         if events.EVAL.matches(e) and e.get("held_out_accuracy") is not None:
             found[int(e.get("step", 0))] = float(e["held_out_accuracy"])
-    for r in records:
-        for key in ("held_out_accuracy", "heldout_accuracy"):  # RL spells it one way, SFT's eval the other
-            if r.get(key) is not None and "step" in r:
-                found[int(r["step"])] = float(r[key])
+    for r in map(current_names, records):  # an old SFT run spelled it heldout_accuracy
+        if r.get("held_out_accuracy") is not None and "step" in r:
+            found[int(r["step"])] = float(r["held_out_accuracy"])
     return sorted(found.items())
 
 
@@ -184,10 +183,15 @@ def summary(data: RunMetrics) -> dict[str, object]:
     return out
 
 
-def render_html(data: RunMetrics, png: bytes) -> str:
-    """A self-contained page: summary, what is missing, the figure (base64) and the per-step table."""
+def render_html(data: RunMetrics, png: bytes, versus: dict | None = None) -> str:
+    """A self-contained page: summary, the plan against the run, what is missing, the figure (base64) and the
+    per-step table."""
     esc = html.escape
     rows = "".join(f"<tr><th>{esc(k)}</th><td>{esc(str(v))}</td></tr>" for k, v in summary(data).items())
+    plan_rows = "".join(f"<tr><th>{esc(r['figure'])}</th><td>{_fmt(r['planned'])}</td><td>{_fmt(r['measured'])}</td>"
+                        f"<td>{_fmt(r['ratio'])}</td></tr>" for r in (versus or {}).get("rows", []))
+    plan_table = (f"<h2>Plan vs measured</h2><table><tr><th>figure</th><th>planned</th><th>measured</th>"
+                  f"<th>measured / planned</th></tr>{plan_rows}</table>") if plan_rows else ""
     missing = "".join(f"<li>{esc(m)}</li>" for m in data.missing)
     evals = dict(data.evals)
     columns = [c for c in TABLE_COLUMNS.get(data.kind, ("step",))
@@ -207,6 +211,7 @@ td,th{{border:1px solid #ccc;padding:2px 6px;text-align:right}} th{{background:#
 .summary th{{text-align:left}} img{{max-width:100%}}</style></head><body>
 <h1>{esc(data.run_dir.name)} ({esc(data.kind)} run)</h1>
 <h2>Summary</h2><table class="summary">{rows}</table>
+{plan_table}
 {f"<h2>Not in this run</h2><ul>{missing}</ul>" if missing else ""}
 <h2>Per step</h2><img alt="per-step metrics" src="data:image/png;base64,{image}">
 <h2>Per-step numbers</h2>{note}<table><tr>{head}</tr>{"".join(body)}</table>
@@ -238,14 +243,15 @@ class ReportFiles:
     data: RunMetrics
 
 
-def write(run: RunDir, out_dir: Path | None = None) -> ReportFiles:
-    """Load, plot and write <run>/report/report.png and report.html (or into out_dir)."""
+def write(run: RunDir, out_dir: Path | None = None, versus: dict | None = None) -> ReportFiles:
+    """Load, plot and write <run>/report/report.png and report.html (or into out_dir); `versus`: the plan's
+    figures against the run's (rlslurm/plan_vs_run.py), a table on the page."""
     data = load(run)
     folder = Path(out_dir) if out_dir else run.path / "report"
     folder.mkdir(parents=True, exist_ok=True)
     png = figure_png(data)
     (folder / "report.png").write_bytes(png)
-    (folder / "report.html").write_text(render_html(data, png))
+    (folder / "report.html").write_text(render_html(data, png, versus))
     return ReportFiles(folder / "report.png", folder / "report.html", data)
 
 

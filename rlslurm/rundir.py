@@ -24,7 +24,10 @@ Processes find it from the RLSLURM_RUN_DIR environment variable that submit sets
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
+import logging
 import os
 import re
 import time
@@ -33,6 +36,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from rlslurm.errors import RunDirError
+
+log = logging.getLogger(__name__)
 
 ENV_VAR = "RLSLURM_RUN_DIR"
 SUBDIRS = ("heartbeats", "env", "stacks", "checkpoints", "logs", "control")
@@ -74,17 +79,73 @@ class RunDir:
     secret = property(lambda self: self.path / "secret")
 
     def append_json(self, path: Path, record: dict) -> None:
-        """Append one JSON line with a single write(2) on an O_APPEND fd: concurrent writers never interleave."""
-        line = (json.dumps(record, default=str, sort_keys=False) + "\n").encode()
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, line)
-        finally:
-            os.close(fd)
+        """Append one JSON line whole, or nothing (see `append_line`)."""
+        append_line(path, (json.dumps(record, default=str, sort_keys=False) + "\n").encode())
 
     def record_start(self, **fields) -> None:
         """Add a line to jobs.jsonl for this start of the job (job id, restart count, ...)."""
         self.append_json(self.jobs, {"t": time.time(), **fields})
+
+
+TORN_TAIL_MAX_BYTES = 1 << 20
+"""How far back from a file's end a torn last line is looked for (a JSON line of the run is far shorter)."""
+
+
+def append_line(path: Path, line: bytes) -> None:
+    """Append one complete line (ending in a newline) to a JSON-lines file, whole or not at all.
+
+    One write(2) on an O_APPEND fd, under an exclusive flock that every writer of the run's JSON lines takes
+    (appends from the ranks, the supervisor, the engines' supervisors and the CLI never interleave). A full
+    disk (ENOSPC) or a quota can make that write short: the part written is cut off again before the error
+    is raised, so the file never ends in half a line that the next append would run on from (issue 38: a
+    resume's `submitted` event appended onto a torn metrics row made both unreadable). A torn tail left by a
+    writer killed mid-write is cut off by the next append the same way, and said in this process's log.
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        size = os.fstat(fd).st_size
+        size = _cut_torn_tail(path, fd, size)
+        try:
+            written = os.write(fd, line)
+        except OSError:
+            written = None
+            _truncate_back(fd, size)
+            raise
+        if written != len(line):
+            _truncate_back(fd, size)
+            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}: only {written} of {len(line)} bytes of a "
+                                        f"line could be appended; the part written was cut off again", str(path))
+    finally:
+        os.close(fd)  # releases the flock
+
+
+def _truncate_back(fd: int, size: int) -> None:
+    """Take back what a failed append wrote past `size` (best effort: the disk that failed may fail this)."""
+    try:
+        os.ftruncate(fd, size)
+    except OSError as e:
+        log.warning("could not cut a partly written line off (%s): readers skip it", e)
+
+
+def _cut_torn_tail(path: Path, fd: int, size: int) -> int:
+    """If the file (under our flock) does not end in a newline, cut it back to its last one; the new size."""
+    if size == 0:
+        return 0
+    with open(path, "rb") as f:
+        start = max(0, size - TORN_TAIL_MAX_BYTES)
+        f.seek(start)
+        tail = f.read(size - start)
+    if tail.endswith(b"\n"):
+        return size
+    keep = start + tail.rfind(b"\n") + 1 if b"\n" in tail else (0 if start == 0 else size)
+    if keep == size:  # no newline in the last MiB: not a torn JSON line of ours; append after it on a new line
+        os.write(fd, b"\n")
+        return size + 1
+    log.warning("%s ended in %d bytes of a torn line (a writer stopped mid-write): cut off before appending",
+                path, size - keep)
+    os.ftruncate(fd, keep)
+    return keep
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -98,6 +159,20 @@ def read_jsonl(path: Path) -> list[dict]:
         except json.JSONDecodeError:
             continue
     return records
+
+
+RENAMED_METRICS = {"heldout_accuracy": "held_out_accuracy", "heldout_correct": "held_out_correct",
+                   "heldout_total": "held_out_total", "heldout_loss": "held_out_loss", "heldout_rows": "held_out_rows",
+                   "heldout_tokens": "held_out_tokens"}
+"""Old spelling -> the one name of a metric (docs/metrics.md): runs before issue 39 wrote SFT's held-out result
+as `heldout_*` and RL's as `held_out_*`. Every reader takes a metrics line through `current_names`."""
+
+
+def current_names(record: dict) -> dict:
+    """A metrics.jsonl line with each key of RENAMED_METRICS under its current name (old runs still read)."""
+    if not any(key in record for key in RENAMED_METRICS):
+        return record
+    return {RENAMED_METRICS.get(key, key): value for key, value in record.items()}
 
 
 class JsonlTail:

@@ -17,7 +17,7 @@ from pathlib import Path
 import yaml
 
 from rlslurm.errors import SlurmCommandError, SlurmParseError
-from rlslurm.events import BASE_FIELDS, RANK_OUTLIVED_JOB, TRAINER_RESTARTED
+from rlslurm.events import BASE_FIELDS, PLAN_OFF, RANK_OUTLIVED_JOB, TRAINER_RESTARTED
 from rlslurm.progress import Progress
 from rlslurm.rundir import RunDir, find_run, read_jsonl, submitted_backend
 
@@ -44,6 +44,13 @@ class Status:
     """This allocation's `trainer_restarted` events: trainer ranks restarted in place (rlslurm/slurm/supervisor.py)."""
     outlived: list[dict] = field(default_factory=list)
     """`rank_outlived_job` events: ranks still running train.exit_grace_s after rank 0's clean exit, ended."""
+    plan_off: list[dict] = field(default_factory=list)
+    """`plan_off` events: figures the run measured more than 10 % off its plan (rlslurm/plan_vs_run.py)."""
+    ended: str | None = None
+    """How the job ended (`finished`, SLURM's final state), or None while it runs: a heartbeat that still says
+    running then belongs to a process that ended without a word, never to a running one."""
+    engines: list[str] = field(default_factory=list)
+    """Rollout engines out of rotation for good in this attempt (`engine_down`), one line each, and who serves."""
 
 
 def slurm_components(job_id: str) -> list[dict]:
@@ -105,7 +112,7 @@ def collect(target: str, run_root: str | Path | None = None) -> Status:
     now = time.time()
     for hb in read_heartbeats(run):
         status.roles.append({"role": hb.get("role"), "rank": hb.get("rank"), "host": hb.get("host"),
-                             "step": hb.get("step"), "phase": hb.get("phase"),
+                             "step": hb.get("step"), "phase": hb.get("phase"), "state": hb.get("state"),
                              "progress_age_s": round(now - hb.get("last_progress", now), 1)})
     ckpt = latest_complete(run, tidy=False)
     status.checkpoint = ckpt.path.name if ckpt else None
@@ -115,12 +122,53 @@ def collect(target: str, run_root: str | Path | None = None) -> Status:
     status.trainer_restarts = [e for e in all_events if TRAINER_RESTARTED.matches(e)
                                and e.get("restart_count") == status.restarts]
     status.outlived = [e for e in all_events if RANK_OUTLIVED_JOB.matches(e)]
+    status.plan_off = [e for e in all_events if PLAN_OFF.matches(e)]
+    status.ended = ended_as(status.components, all_events)
+    status.engines = engines_out(all_events, status.roles)
     status.progress = Progress(run, total_steps=_total_steps(run)).poll()
     from rlslurm.slurm.rejoin import EXCLUDED
 
     with contextlib.suppress(OSError, ValueError):
         status.excluded = json.loads((run.path / EXCLUDED).read_text())
     return status
+
+
+def ended_as(components: list[dict], all_events: list[dict]) -> str | None:
+    """`finished` when the newest start finished (its `done`/`sft_finished` after it), else component 0's final
+    SLURM state, else None (running, pending, requeued, or not known)."""
+    from rlslurm import events
+    from rlslurm.diag.summary import current_attempt
+    from rlslurm.slurm.hetjob import FINAL_STATES
+
+    now_events, _ = current_attempt(all_events)
+    submitted = [i for i, e in enumerate(all_events) if events.SUBMITTED.matches(e)]
+    after = all_events[submitted[-1]:] if submitted else all_events
+    if events.select(now_events, *events.FINISHED) and events.select(after, *events.FINISHED):
+        return "finished"
+    first = next((c for c in components if str(c.get("component")) == "0"), None)
+    state = str((first or {}).get("state") or "").split()[0] if first else ""
+    return state if state in FINAL_STATES else None
+
+
+def engines_out(all_events: list[dict], roles: list[dict]) -> list[str]:
+    """This attempt's engines past their restart budget (`engine_down`): out of rotation for good, and the engines
+    left serving (issue 38: the controller stops waiting for them; status says so)."""
+    from rlslurm import events
+    from rlslurm.diag.summary import current_attempt
+
+    now_events, _ = current_attempt(all_events)
+    down = {e.get("engine"): e for e in events.select(now_events, events.ENGINE_DOWN)}
+    if not down:
+        return []
+    engines = sorted({r["rank"] for r in roles if r.get("role") == "rollout" and isinstance(r.get("rank"), int)}
+                     | {i for i in down if isinstance(i, int)})
+    left = [i for i in engines if i not in down]
+    lines = [f"engine {i} down past rollout.max_restarts = {e.get('max_restarts')} ({e.get('restarts')} "
+             f"replacements; last: {e.get('reason')}) at {_clock(e)}: out of rotation for good, not waited for"
+             for i, e in sorted(down.items(), key=lambda x: str(x[0]))]
+    lines.append(f"serving: {', '.join(f'engine {i}' for i in left)} ({len(left)} of {len(engines)})" if left
+                 else "no engine left: the job fails (engine_failed)")
+    return lines
 
 
 def ops_problems(all_events: list[dict]) -> list[str]:
@@ -163,14 +211,23 @@ def render(status: Status) -> str:
         reason = f" ({c['reason']})" if c.get("reason") not in (None, "None") else ""
         lines.append(f"  component {c['component']}: {c['state']}{reason} partition={c['partition']} "
                      f"nodes={c['nodes']}")
+    if status.ended:
+        lines.append(f"ended: {status.ended}")
     if status.roles:
         lines.append("roles:")
         for r in sorted(status.roles, key=lambda r: (str(r["role"]), r["rank"] or 0)):
-            lines.append(f"  {r['role']}-{r['rank']} on {r['host']}: step {r['step']} phase {r['phase']} "
-                         f"(last progress {r['progress_age_s']} s ago)")
+            lines.append(f"  {r['role']}-{r['rank']} on {r['host']}: {_role_state(r, status.ended)}")
+    if status.engines:
+        lines.append("engines:")
+        lines += [f"  {line}" for line in status.engines]
     if status.progress:
         lines.append(f"progress: {status.progress}")
     lines.append(f"last complete checkpoint: {status.checkpoint or 'none'}")
+    if status.plan_off:
+        off = ", ".join(f"{e.get('figure')} {e.get('measured'):.4g} measured vs {e.get('planned'):.4g} planned "
+                        f"(x{e.get('ratio'):.2f})" for e in status.plan_off)
+        lines.append(f"plan off by > 10 % at step {status.plan_off[0].get('step')}: {off}; "
+                     f"calibrate: rlslurm plan CONFIG --from-run {status.run_dir}")
     if status.trainer_restarts:
         last = status.trainer_restarts[-1]
         lines.append(f"trainer restarted in this allocation: {len(status.trainer_restarts)} of "
@@ -195,6 +252,19 @@ def render(status: Status) -> str:
         for e in status.last_events:
             lines.append(f"  {_clock(e)} {e.get('kind')} {e.get('role')}-{e.get('rank')} {_fields(e)}".rstrip())
     return "\n".join(lines) + "\n"
+
+
+def _role_state(role: dict, ended: str | None) -> str:
+    """A process's state as its heartbeat says it; `running` only while the job runs (issue 38: a finished
+    job's status said running, step 2, of a process that had ended without writing its last heartbeat)."""
+    state = role.get("state") or "unknown"
+    where = f"step {role['step']} phase {role['phase']}"
+    ago = f"{role['progress_age_s']} s ago"
+    if state == "running" and ended:
+        return f"not running: the job ended ({ended}); its heartbeat stopped at {where}, last progress {ago}"
+    if state == "running":
+        return f"running: {where} (last progress {ago})"
+    return f"{state} at {where} (last progress {ago})"
 
 
 def _fields(event: dict, most: int = 6) -> str:

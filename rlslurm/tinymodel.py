@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
+from rlslurm import lora
 from rlslurm.durable import fsync
 from rlslurm.errors import ConfigError
 from rlslurm.modelspec import ModelConfig
@@ -73,7 +74,8 @@ def build_model(model: ModelConfig, seed: int) -> LlamaForCausalLM:
 
 
 def save_hf(model: torch.nn.Module, directory: str | Path, max_new_tokens: int = 8, tokenizer=None) -> Path:
-    """Write `model` + tokenizer in HF layout at `directory`, atomically (temp dir, then rename).
+    """Write `model` + tokenizer in HF layout at `directory`, atomically (temp dir, then rename). A model with
+    LoRA layers (train.lora) is written merged, a plain HF model, with its adapter in `directory`/adapter.
 
     `tokenizer`: None or the embedded one = the embedded tokenizer, built here; a real model's own
     (rlslurm/models/) is written as it is, with a greedy generation config from its special token ids.
@@ -82,7 +84,12 @@ def save_hf(model: torch.nn.Module, directory: str | Path, max_new_tokens: int =
     directory.parent.mkdir(parents=True, exist_ok=True)
     model = getattr(model, "module", model)  # unwrap DistributedDataParallel
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+    adapted = None
+    if lora.has_lora(model):  # train.lora: the merged plain model, its adapter beside it (rlslurm/lora.py)
+        adapted, model = model, lora.merged_model(model)
     try:
+        if adapted is not None:
+            lora.save_adapter(adapted, tmp / "adapter")
         if tokenizer is None or is_embedded(tokenizer):
             model.generation_config = generation_config(max_new_tokens)
             model.save_pretrained(str(tmp), safe_serialization=True)

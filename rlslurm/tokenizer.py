@@ -1,7 +1,7 @@
 """The embedded model's tokenizer: one token per character of the arithmetic alphabet, built here.
 
 Nothing comes from a hub: `build_tokenizer()` makes a `tokenizers` word-level model over single characters
-(digits, operators, '=', space) plus <pad>/<s>/</s>/<unk>, and `save_tokenizer(dir)` writes
+(digits, operators, '=', space, and the tool-call brackets) plus <pad>/<s>/</s>/<unk>, and `save_tokenizer(dir)` writes
 tokenizer.json + tokenizer_config.json + special_tokens_map.json so that `AutoTokenizer.from_pretrained(dir)`
 loads it — which is exactly what vLLM and the HF rollout engine do with an exported model directory.
 
@@ -22,23 +22,35 @@ from transformers import PreTrainedTokenizerFast
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 SPECIALS = (PAD, BOS, EOS, UNK)
-# Order fixes the ids: specials 0-3, then the alphabet. Changing it breaks every exported model.
-ALPHABET = tuple("0123456789") + ("+", "-", "*", "=", " ")
+# Order fixes the ids: specials 0-3, then the alphabet. Characters are only ever appended (ids 0-18 are the
+# first alphabet's): an export made with the shorter one still reads the same (`is_embedded`).
+ARITHMETIC = tuple("0123456789") + ("+", "-", "*", "=", " ")
+TOOL_CHARS = ("[", "]", "(", ")", "/", ".", "?")
+"""The embedded model's tool calls: `[ARG]` a call, `(RESULT)` what the tool said, `?` an error; `/` and `.` for a
+calculator's quotients (rlslurm/tools/calls.py EmbeddedFormat). The default model.vocab (32) holds them."""
+ALPHABET = ARITHMETIC + TOOL_CHARS
 VOCAB = {token: i for i, token in enumerate(SPECIALS + ALPHABET)}
+FIRST_VOCAB = len(SPECIALS) + len(ARITHMETIC)
+"""Size of the first embedded vocabulary (before the tool characters): exports made with it stay embedded."""
 PAD_ID, BOS_ID, EOS_ID = VOCAB[PAD], VOCAB[BOS], VOCAB[EOS]
 
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{%- for m in messages -%}"
-    "{%- if m['role'] == 'assistant' -%}{{ m['content'] }}{{ eos_token }}"
+    "{%- if m['role'] == 'assistant' -%}{{ m['content'] or '' }}"
+    "{%- for call in m['tool_calls'] or [] -%}[{{ call['function']['arguments'].values() | first }}]{%- endfor -%}"
+    "{{ eos_token }}"
     "{%- elif m['role'] == 'user' -%}{{ m['content'] }}="
+    "{%- elif m['role'] == 'tool' -%}({{ m['content'] }})"
     "{%- endif -%}"
     "{%- endfor -%}"
 )
-"""The embedded model's chat template, in its own 19-symbol alphabet: a user turn is its text and '=', an
-assistant turn its text and </s>; system turns are left out (no letters to spell them in). The user turn
-"12*3" renders as "<s>12*3=", exactly the plain prompt, so chat rows and text rows train the same model."""
+"""The embedded model's chat template, in its own alphabet: a user turn is its text and '=', an assistant turn its
+text, its tool calls as `[ARG]` (the call's one argument; there are no letters to name a tool in) and </s>, a tool
+turn `(RESULT)`; system turns are left out (no letters to spell them in). The user turn "12*3" renders as
+"<s>12*3=", exactly the plain prompt, so chat rows and text rows train the same model; a calculator episode is
+"<s>123*45=[123*45]</s>(5535)5535</s>"."""
 
 
 def build_tokenizer(chat: bool = False) -> PreTrainedTokenizerFast:
@@ -86,8 +98,10 @@ def save_tokenizer(directory: str | Path, max_length: int | None = None) -> list
 
 
 def is_embedded(tokenizer) -> bool:
-    """Whether `tokenizer` is this module's character tokenizer (the same vocabulary, id for id)."""
-    return len(tokenizer) == len(VOCAB) and tokenizer.get_vocab() == VOCAB
+    """Whether `tokenizer` is this module's character tokenizer: the same vocabulary id for id, or the first
+    FIRST_VOCAB of it (an export made before the tool characters were appended)."""
+    vocab = tokenizer.get_vocab()
+    return FIRST_VOCAB <= len(vocab) <= len(VOCAB) and vocab == {t: i for t, i in VOCAB.items() if i < len(vocab)}
 
 
 def save_model_tokenizer(tokenizer, directory: str | Path, max_length: int | None = None) -> None:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from rlslurm.configfile import check, check_path, check_range
+from rlslurm.lora import LoraConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,6 +52,10 @@ class TrainConfig:
     reached, so the job's work is done) before it is named (`rank_outlived_job`, its stack dumped) and ended:
     a teardown that hangs (gloo's destructor waiting on work a gone peer never matches) never holds a finished
     job. Range (0, 86400]."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters instead of full fine-tuning (rank > 0; rlslurm/lora.py): the torch trainer (SFT and RL) trains,
+    checkpoints and syncs the adapters alone, the exports are merged plain HF models. train.backend megatron
+    refuses it."""
     max_restarts: int = 2
     """Restarts of the trainer ranks inside one SLURM allocation after a rank dies by a signal (SIGKILL,
     segfault, OOM kill): a new job step on the same nodes, resumed from the newest complete checkpoint, the
@@ -83,10 +88,20 @@ def adamw(model, train: TrainConfig):
     one group, as optimizer states saved before this split hold."""
     import torch  # here, not at the top: the CLI reads configs without loading torch
 
+    # Only what trains: with train.lora the frozen base has no moments (Adam's state is the adapters' alone).
     if train.weight_decay == 0:
-        return torch.optim.AdamW(model.parameters(), lr=train.lr, weight_decay=0.0)
+        return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=train.lr, weight_decay=0.0)
     decayed, plain = [], []
     for name, p in model.named_parameters():
-        (plain if p.ndim == 1 or name.endswith(".bias") else decayed).append(p)
+        if p.requires_grad:
+            (plain if p.ndim == 1 or name.endswith(".bias") else decayed).append(p)
     return torch.optim.AdamW([{"params": decayed, "weight_decay": train.weight_decay},
                               {"params": plain, "weight_decay": 0.0}], lr=train.lr)
+
+
+def recompute(model, mode: str) -> None:
+    """memory.recompute on a transformers model: full = gradient checkpointing of every layer (non-reentrant,
+    which DDP takes); none and selective keep every activation (SDPA keeps no attention scores to drop)."""
+    if mode == "full":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()  # transformers checkpoints only in training mode (the Llama has no dropout to switch on)

@@ -106,12 +106,17 @@ def write_humaneval(path: Path, chat: bool = False) -> Path:
 
 def write_generated(humaneval: bool = True) -> list[Path]:
     """The examples' data files that are written, not committed, where they are missing (the tests that run
-    every example call it): the verl parquet files and, with `humaneval`, humaneval.jsonl (needs the wheel)."""
+    every example call it): the verl parquet files, the calculator task's (examples/tool-*.yaml) and, with
+    `humaneval`, humaneval.jsonl (needs the wheel)."""
     written = []
     if not all((HERE / name).exists() for name in ("arith-verl-train.parquet", "arith-verl-test.parquet")):
         written += write_verl_parquet(HERE)
     if not all((HERE / name).exists() for name in ("gsm8k-style-train.jsonl", "gsm8k-style-test.jsonl")):
         written += write_gsm8k(HERE)
+    if not all((HERE / "calc" / name).exists() for name in ("sft.jsonl", "train.jsonl", "test.jsonl")):
+        from rlslurm.tasks.calculator import write as write_calculator  # examples/tool-{sft,grpo}.yaml's
+
+        written += list(write_calculator(HERE / "calc").values())
     if humaneval and not (HERE / "humaneval.jsonl").exists():
         written.append(write_humaneval(HERE / "humaneval.jsonl"))
     if humaneval and not (HERE / "humaneval-chat.jsonl").exists():

@@ -12,7 +12,7 @@ from __future__ import annotations
 import click
 
 from rlslurm.cli.options import run_root_option
-from rlslurm.diag.watchdog import request_drain
+from rlslurm.diag.drain_gate import request_drain
 from rlslurm.events import DRAIN_REQUESTED, emit
 from rlslurm.rundir import find_run
 

@@ -22,6 +22,7 @@ import yaml
 from rlslurm.config import JobConfig
 from rlslurm.configfile import load_mapping
 from rlslurm.errors import ConfigError
+from rlslurm.outfile import write_file
 from rlslurm.plan.hardware import GPU_PROFILES
 from rlslurm.safeyaml import read_text
 
@@ -59,15 +60,16 @@ _HF_SHAPE = {"num_hidden_layers": "layers", "hidden_size": "hidden", "num_attent
 def command(out: str, kind: str, name: str | None, force: bool, **given) -> None:
     """Write a starting job config for your cluster to OUT (validated; see `rlslurm validate --print`)."""
     path = Path(out)
-    if path.exists() and not force:
-        raise click.UsageError(f"{out} exists; pass --force to overwrite it")
+    if (path.exists() or path.is_symlink()) and not force:  # before the questions; write_file checks it again
+        raise click.UsageError(f"{out} exists" + (" (a symbolic link)" if path.is_symlink() else "")
+                               + "; pass --force to replace it")
     answers = _complete(given)
     data = job_mapping(kind=kind, name=name or f"rlslurm-{kind}", **answers)
     text = (f"# Written by `rlslurm init`. Check it: rlslurm plan {out}; rlslurm submit {out} --dry-run\n"
             "# Every key and its default: rlslurm validate " f"{out} --print\n"
             + yaml.safe_dump(data, sort_keys=False))
     job = load_mapping(JobConfig, read_text(text, out), source=out)  # what `rlslurm validate` would say
-    path.write_text(text)
+    write_file(path, text, replace=force)  # created anew, or renamed over: never written through a link
     click.echo(f"{out}: written ({job.job.kind} job {job.job.name!r}, {job.hardware.nodes} node(s) x "
                f"{job.hardware.gpus_per_node} {job.hardware.profile}); next: rlslurm plan {out}")
 

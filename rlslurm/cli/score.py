@@ -39,6 +39,7 @@ def command(config: str, responses_path: str, response_key: str, split: str, ove
     """Score RESPONSES against CONFIG's data with its reward: mean, pass rate, statuses and reasons."""
     from rlslurm.config import load_config
     from rlslurm.data.splits import load_splits
+    from rlslurm.outfile import write_file
     from rlslurm.reward.items import item_for
     from rlslurm.reward.offline import Summary, read_responses, score_responses
 
@@ -57,7 +58,7 @@ def command(config: str, responses_path: str, response_key: str, split: str, ove
     for row, r in failed[:show]:
         click.echo(f"row {row}: {r.status} {r.score} {r.reason}")
     if out_path is not None:
-        Path(out_path).write_text("".join(json.dumps({"row": row, "score": r.score, "status": r.status,
-                                                      "reason": r.reason}) + "\n"
-                                          for (row, _), r in zip(responses, results)))
+        write_file(out_path, "".join(json.dumps({"row": row, "score": r.score, "status": r.status,
+                                                 "reason": r.reason}) + "\n"
+                                     for (row, _), r in zip(responses, results)), replace=True)
         click.echo(f"wrote {out_path}")

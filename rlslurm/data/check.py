@@ -6,6 +6,11 @@
 Each file is read by a reader of its own form (so "not JSON at line N" names the line `datasets` would only
 refuse as a whole), at most data.check_rows rows and data.check_time_s seconds each: the rows the job needs
 (prompt, completion for SFT, reference or tests for RL), their types, and their length in the model's tokens.
+
+Rows may be hostile, or just broken: JSON is read with bounded nesting and integers (rlslurm/safejson.py), a
+line past MAX_LINE_BYTES is refused unread, and a text is measured in bytes against the tokens it may take
+before a tokenizer sees it (rlslurm/textbound.py): a 50 MB prompt cost 115 s and 19.2 GB before it was named,
+now well under a second and a few hundred MB (docs/data.md has the bench).
 """
 
 from __future__ import annotations
@@ -15,11 +20,16 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from rlslurm import safejson
 from rlslurm.data.layout import DataError, RowError, resolve
 from rlslurm.data.source import kind_of, open_dataset
 from rlslurm.data.splits import needs
 from rlslurm.data.table import row_error
-from rlslurm.data.tokens import encode, prompt_ids
+from rlslurm.data.tokens import encode, prompt_ids, prompt_text
+from rlslurm.textbound import longest_token_bytes, megabytes, too_long, utf8_bytes
+
+MAX_LINE_BYTES = 256 << 20
+"""Longest line of a .jsonl file read (and largest .json file): no row of any model's context is that long."""
 
 Row = tuple[int, int | None, object]
 """(row index from 0, line number or None, the parsed row)."""
@@ -28,28 +38,47 @@ Row = tuple[int, int | None, object]
 def _jsonl_rows(path: Path, source: str) -> Iterator[Row]:
     row = 0
     with path.open("rb") as f:
-        for line_no, raw in enumerate(f, 1):
-            if not raw.strip():
+        for line_no, raw in enumerate(iter(lambda: f.readline(MAX_LINE_BYTES + 1), b""), 1):
+            if len(raw) > MAX_LINE_BYTES:
+                raise DataError(f"{source}: row {row} (line {line_no}) is over {megabytes(MAX_LINE_BYTES)}; no "
+                                f"row of a model's context is that long (rlslurm/data/check.py MAX_LINE_BYTES)")
+            if not raw or raw.isspace():
                 continue  # `datasets` skips blank lines too: they are no row
             try:
-                value = json.loads(raw.rstrip(b"\r\n"))
+                value = safejson.loads(raw)  # the line's end is JSON whitespace: no copy of the row to strip it
             except UnicodeDecodeError as e:
                 raise DataError(f"{source}: row {row} (line {line_no}), column {e.start + 1}: not UTF-8 text "
                                 f"({e.reason} at byte {e.start + 1} of the line)") from None
-            except json.JSONDecodeError as e:
+            except json.JSONDecodeError:
+                e = _decode_error(raw)  # where, in the line without its end (which json counts as a line of its own)
                 raise DataError(f"{source}: row {row} (line {line_no}), column {e.colno}: not JSON ({e.msg}); "
                                 f"a .jsonl file holds one JSON object per line") from None
+            except safejson.JSONLimitError as e:
+                raise DataError(f"{source}: row {row} (line {line_no}) {e}") from None
             yield row, line_no, value
             row += 1
 
 
-def _json_rows(path: Path, source: str) -> Iterator[Row]:
+def _decode_error(raw: bytes) -> json.JSONDecodeError:
     try:
-        value = json.loads(path.read_bytes())
+        json.loads(raw.rstrip(b"\r\n"))
+    except json.JSONDecodeError as e:
+        return e
+    return json.JSONDecodeError("not JSON", raw.decode(errors="replace"), 0)
+
+
+def _json_rows(path: Path, source: str) -> Iterator[Row]:
+    if path.stat().st_size > MAX_LINE_BYTES:
+        raise DataError(f"{source}: a .json data file of {megabytes(path.stat().st_size)} is read whole; past "
+                        f"{megabytes(MAX_LINE_BYTES)} write it as .jsonl (one row per line) or parquet")
+    try:
+        value = safejson.loads(path.read_bytes(), max_depth=safejson.MAX_DEPTH + 1)  # + the list of rows
     except UnicodeDecodeError as e:
         raise DataError(f"{source}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except json.JSONDecodeError as e:
         raise DataError(f"{source}: line {e.lineno}, column {e.colno}: not JSON ({e.msg})") from None
+    except safejson.JSONLimitError as e:
+        raise DataError(f"{source}: {e}") from None
     if not isinstance(value, list):
         raise DataError(f"{source}: a .json data file must hold a list of row objects (one per row), not a "
                         f"{type(value).__name__}; or write it as .jsonl, one object per line")
@@ -118,20 +147,43 @@ def check_file(job, path: str, key: str, tokenizer) -> str:
 
 
 def _check_length(job, tokenizer, sample, layout, source: str, row: int, line: int | None) -> None:
-    limit = job.model.max_positions
+    """A row past model.max_positions is refused; its text is measured in bytes first (rlslurm/textbound.py), so a
+    row no tokenizer could fit is named before one runs on it."""
+    limit, per_token = job.model.max_positions, longest_token_bytes(tokenizer)
+    prompt_column = layout.prompt or layout.messages or "prompt"
+
+    def refuse(column: str, what: str) -> None:
+        raise row_error(source, row, RowError(column, f"is too long: {what}"), line)
+
+    text = prompt_text(tokenizer, sample.prompt)  # a conversation rendered by the chat template, as it is encoded
     if job.job.kind == "sft":
+        fix = "set data.too_long = truncate to cut the completion, or use a model with more positions"
+        column = layout.completion or layout.messages or "completion"
+        if problem := too_long(text, tokens=limit, per_token=per_token, what="the prompt"):
+            refuse(prompt_column, f"{problem}; model.max_positions = {limit}")
+        if job.data.too_long == "truncate":
+            prompt = len(prompt_ids(tokenizer, sample))
+            if prompt >= limit:
+                refuse(prompt_column, f"the prompt is {prompt} tokens, model.max_positions = {limit}: no completion "
+                                      "token would be left to learn")
+            return  # the job cuts the completion, as configured: its length does not matter
+        size = utf8_bytes(text) + utf8_bytes(sample.completion or "")
+        if size > limit * per_token:
+            refuse(column, f"prompt + completion is {megabytes(size)}: more than model.max_positions = {limit} "
+                           f"tokens can hold ({megabytes(limit * per_token)}, {per_token} bytes for the vocabulary's "
+                           f"longest token), so it is refused before tokenizing ({fix})")
         tokens = len(encode(tokenizer, sample)[0])
-        what, column = "prompt + completion + </s>", layout.completion or layout.messages or "completion"
-        if tokens > limit and job.data.too_long == "truncate" and len(prompt_ids(tokenizer, sample)) < limit:
-            return  # the job cuts its completion, as configured
-    else:
-        tokens = len(prompt_ids(tokenizer, sample)) + job.rollout.max_new_tokens
-        what, column = "prompt + rollout.max_new_tokens", layout.prompt or layout.messages or "prompt"
+        if tokens > limit:
+            refuse(column, f"prompt + completion + </s> is {tokens} tokens, model.max_positions = {limit} ({fix})")
+        return
+    budget = limit - job.rollout.max_new_tokens
+    if problem := too_long(text, tokens=max(0, budget), per_token=per_token, what="the prompt"):
+        refuse(prompt_column, f"{problem}; model.max_positions = {limit} less rollout.max_new_tokens = "
+                              f"{job.rollout.max_new_tokens} (use a model with more positions)")
+    tokens = len(prompt_ids(tokenizer, sample)) + job.rollout.max_new_tokens
     if tokens > limit:
-        fix = ("set data.too_long = truncate to cut the completion, or " if job.job.kind == "sft" else "") + \
-              "use a model with more positions"
-        raise row_error(source, row, RowError(column, f"is too long: {what} is {tokens} tokens, model.max_positions "
-                                                      f"= {limit} ({fix})"), line)
+        refuse(prompt_column, f"prompt + rollout.max_new_tokens is {tokens} tokens, model.max_positions = {limit} "
+                              "(use a model with more positions)")
 
 
 def check_data(job) -> list[str]:

@@ -25,6 +25,9 @@ from pathlib import Path
 
 import click
 
+from rlslurm.outfile import write_file
+
+# upward: the canonical responses leave out exactly the import lines the code scorer puts back: one rule, the scorer's
 from rlslurm.reward.scorers import IMPORT_LINE
 
 
@@ -48,7 +51,7 @@ def chat_problems() -> list[dict]:
 def write_jsonl(path: str | Path, rows: list[dict]) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    write_file(path, "".join(json.dumps(row) + "\n" for row in rows), replace=True)  # never through a link
     return path
 
 

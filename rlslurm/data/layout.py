@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlslurm.data.config import DataConfig
+from rlslurm.data.messages import MessageError, read_messages, read_tools, uses_tools
 from rlslurm.data.sample import Sample
 from rlslurm.errors import ConfigError
 
 REFERENCE_NAMES = ("ground_truth", "answer", "solution", "reference")
 """Columns auto-detection takes as the ground truth, first present wins (verl's is reward_model.ground_truth)."""
-ROLES = ("system", "user", "assistant", "tool")
 
 
 class DataError(ConfigError):
@@ -75,11 +75,19 @@ class Layout:
 
     def sample(self, row: dict, index: int, *, need: frozenset[str] = frozenset()) -> Sample:
         """Row `index` as a Sample; RowError names the column of the first broken rule. `need`: the Sample
-        fields this job cannot do without (completion for SFT, reference or tests for RL)."""
-        completion = None
+        fields this job cannot do without (completion for SFT, reference or tests for RL), and
+        "structured_reference" when a list or mapping ground truth is taken (a reward function's)."""
+        completion = turns = None
         if self.messages is not None:
             messages = _messages(_get(row, self.messages, True), self.messages)
-            if messages[-1]["role"] == "assistant":
+            if messages[-1]["role"] == "assistant" and uses_tools(messages):
+                # A tool-using conversation: every assistant turn after the first user's question is learned
+                # (SFT), the tool turns between them are given (rlslurm/data/turns.py).
+                first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+                prompt, turns, completion = messages[:first], messages[first:], messages[-1]["content"]
+                if not prompt:
+                    raise RowError(self.messages, "holds only an assistant turn: no prompt before it")
+            elif messages[-1]["role"] == "assistant":
                 prompt, completion = messages[:-1], messages[-1]["content"]
                 if not prompt:
                     raise RowError(self.messages, "holds only an assistant turn: no prompt before it")
@@ -96,8 +104,12 @@ class Layout:
         reference = None
         if self.reference is not None:
             reference = _get(row, self.reference, "reference" in need)
-            if reference is not None and (isinstance(reference, bool) or not isinstance(reference, (str, int, float))):
-                raise RowError(self.reference, f"is a {_kind(reference)}; a ground truth must be text or a number")
+            structured = "structured_reference" in need and isinstance(reference, (list, dict))
+            if reference is not None and not structured and (
+                    isinstance(reference, bool) or not isinstance(reference, (str, int, float))):
+                raise RowError(self.reference, f"is a {_kind(reference)}; a ground truth must be text or a number "
+                                               "(a list or mapping reaches a reward function only: reward.scorer = "
+                                               "function)")
         elif "reference" in need:
             raise RowError("reference", "no ground-truth column: set data.columns.reference")
         tests = None
@@ -109,7 +121,13 @@ class Layout:
             raise RowError("tests", "no tests column: set data.columns.tests")
         used = self.used()
         extra = {k: v for k, v in row.items() if k not in used}
-        return Sample(prompt=prompt, completion=completion, reference=reference, tests=tests, extra=extra, row=index)
+        if extra.get("tools") is not None:  # TRL's tools column: the schemas a chat template shows the model
+            try:
+                extra["tools"] = read_tools(extra["tools"], "tools")
+            except MessageError as e:
+                raise RowError(e.column, e.message) from None
+        return Sample(prompt=prompt, completion=completion, reference=reference, tests=tests, extra=extra, row=index,
+                      turns=turns)
 
 
 def _get(row: dict, path: str, required: bool) -> Any:
@@ -148,20 +166,11 @@ def _completion(value: Any, column: str) -> str | None:
     raise RowError(column, f"is a {_kind(value)}; a completion must be text or assistant messages")
 
 
-def _messages(value: Any, column: str) -> list[dict[str, str]]:
-    if not isinstance(value, list) or not value:
-        raise RowError(column, f"is a {_kind(value) if value != [] else 'empty list'}; it must be a non-empty "
-                               f"list of {{role, content}} messages")
-    out = []
-    for i, m in enumerate(value):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise RowError(f"{column}[{i}]", "must be a message: {role: text, content: text}")
-        if m["role"] not in ROLES:
-            raise RowError(f"{column}[{i}].role", f"= {m['role'][:40]!r} must be one of {', '.join(ROLES)}")
-        out.append({"role": m["role"], "content": m["content"]})
-    if not any(m["content"].strip() for m in out if m["role"] != "assistant"):
-        raise RowError(column, "is an empty prompt: no message before the answer has text")
-    return out
+def _messages(value: Any, column: str) -> list[dict]:
+    try:
+        return read_messages(value, column)
+    except MessageError as e:
+        raise RowError(e.column, e.message) from None
 
 
 def resolve(data: DataConfig, names: list[str], source: str) -> Layout:

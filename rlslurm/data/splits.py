@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from rlslurm.data.config import DataConfig
 from rlslurm.data.layout import DataError, Layout, resolve
 from rlslurm.data.source import from_rows, open_dataset
@@ -22,11 +20,14 @@ TASK_LAYOUT = Layout("columns", prompt="prompt", completion="completion", messag
 
 def needs(job) -> frozenset[str]:
     """Sample fields every row must have for this job: SFT learns a completion; RL's reward compares with a
-    reference (rule, model, judge) or runs the row's tests (code)."""
+    reference (rule, model, judge) or runs the row's tests (code); a reward function also takes a list or
+    mapping ground truth as it is (verl's compute_score gets the value; "structured_reference")."""
     if job.job.kind == "sft":
         return frozenset({"completion"})
     if job.job.kind == "rl":
-        return frozenset({"tests"} if job.reward.scorer == "code" else {"reference"})
+        if job.reward.scorer == "code":
+            return frozenset({"tests"})
+        return frozenset({"reference", "structured_reference"} if job.reward.scorer == "function" else {"reference"})
     return frozenset()
 
 
@@ -44,6 +45,8 @@ def task_splits(job) -> tuple[SampleTable, SampleTable]:
 def fraction_split(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
     """(train rows, held-out rows) of `n` rows: ceil(n * fraction) held out (at least 1, at most n - 1),
     chosen by a permutation seeded by `seed`; both in file order."""
+    import torch  # here: `rlslurm submit` and `validate` import this module, and need no torch for it
+
     held = min(n - 1, max(1, math.ceil(n * fraction)))
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
     return sorted(order[held:]), sorted(order[:held])

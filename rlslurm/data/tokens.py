@@ -2,17 +2,22 @@
 learned after it, and what happens to a row longer than the model's positions.
 
     ids, labels = encode(tokenizer, sample)      # labels: IGNORE on the prompt, the completion + </s> learned
+                                                 # (a tool-using conversation: every assistant turn, turn by turn)
     fit((ids, labels), max_positions, "drop")    # as is, cut (truncate), or None (dropped)
     collate([(ids, labels), ...])                # right-padded input_ids, labels, attention_mask
 """
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
-from rlslurm.data.sample import Sample
+from rlslurm.data.layout import DataError
+from rlslurm.data.sample import Messages, Sample
 from rlslurm.errors import ConfigError
 from rlslurm.tokenizer import PAD_ID
+
+if TYPE_CHECKING:  # `rlslurm submit` and `validate` read rows through this module, and need no torch
+    import torch
 
 IGNORE = -100
 """Label value the HF loss skips: prompt and padding positions."""
@@ -72,10 +77,61 @@ def prompt_text(tokenizer, prompt) -> str:
 
 
 def encode(tokenizer, sample: Sample) -> tuple[list[int], list[int]]:
-    """(input ids, labels) of one row; only the completion and </s> are learned."""
+    """(input ids, labels) of one row; only the completion and </s> are learned (a tool-using conversation:
+    every assistant turn, `encode_turns`)."""
+    if sample.turns:
+        return encode_turns(tokenizer, sample)
     prompt = prompt_ids(tokenizer, sample)
     target = tokenizer(sample.completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     return prompt + target, [IGNORE] * len(prompt) + target
+
+
+def render(tokenizer, messages: Messages, tools: list[dict] | None = None, *, generation: bool = False) -> str:
+    """The chat template's text of `messages` (with the assistant's next turn opened when `generation`)."""
+    kwargs = {"tools": tools} if tools else {}
+    return tokenizer.apply_chat_template(messages, chat_template=chat_template(tokenizer), tokenize=False,
+                                         add_generation_prompt=generation, **kwargs)
+
+
+def ids_of(tokenizer, text: str) -> list[int]:
+    """Token ids of a piece of rendered text: its special tokens as written, none added."""
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+
+
+def grown(before: str, after: str, what: str) -> str:
+    if not after.startswith(before):
+        raise DataError(f"the model's chat template does not render the conversation turn by turn: the text "
+                        f"after {what} does not begin with the text before it, so the tokens of a turn would "
+                        "change once later turns exist; a tool-using job needs a template that only appends "
+                        f"(before ends {before[-60:]!r}, after it {after[len(before) - 60:len(before) + 20]!r})")
+    return after[len(before):]
+
+
+def learned_part(piece: str, eos: str | None) -> tuple[str, str]:
+    """(learned, given) of a model turn's piece: up to and including its end-of-turn token, and the rest."""
+    cut = piece.find(eos) if eos else -1
+    return (piece, "") if cut < 0 else (piece[:cut + len(eos)], piece[cut + len(eos):])
+
+
+def encode_turns(tokenizer, sample: Sample) -> tuple[list[int], list[int]]:
+    """(input ids, labels) of a tool-using conversation: every assistant turn after the prompt is learned (its
+    tool calls as the template writes them, and its end-of-turn token), the rest is IGNORE."""
+    tools = (sample.extra or {}).get("tools")
+    messages = list(sample.prompt) + list(sample.turns or [])
+    text = render(tokenizer, sample.prompt, tools, generation=True)
+    ids = ids_of(tokenizer, text)
+    labels = [IGNORE] * len(ids)
+    for j in range(len(sample.prompt), len(messages)):
+        opens_next = j + 1 < len(messages) and messages[j + 1]["role"] == "assistant"
+        after = render(tokenizer, messages[:j + 1], tools, generation=opens_next)
+        piece = grown(text, after, f"message {j} ({messages[j]['role']})")
+        text = after
+        learned, given = learned_part(piece, tokenizer.eos_token) if messages[j]["role"] == "assistant" else ("", piece)
+        for part, learn in ((learned, True), (given, False)):
+            part_ids = ids_of(tokenizer, part)
+            ids += part_ids
+            labels += part_ids if learn else [IGNORE] * len(part_ids)
+    return ids, labels
 
 
 def fit(example: tuple[list[int], list[int]], max_positions: int, too_long: str) -> tuple[list[int], list[int]] | None:
@@ -92,6 +148,8 @@ def fit(example: tuple[list[int], list[int]], max_positions: int, too_long: str)
 def collate(examples: list[tuple[list[int], list[int]]]) -> dict[str, torch.Tensor]:
     """Right-pad a batch of (ids, labels) for the trainer; padding sits after every real token, so causal
     attention never sees it."""
+    import torch
+
     width = max(len(ids) for ids, _ in examples)
     ids = torch.full((len(examples), width), PAD_ID, dtype=torch.long)
     labels = torch.full((len(examples), width), IGNORE, dtype=torch.long)

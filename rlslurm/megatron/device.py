@@ -2,7 +2,6 @@
 
     with on_device():                      # every call into Megatron's model, DDP, optimizer and schedule
         ddp, optimizer = build_trainer(...)
-    peak = peak_memory(); reset_peak_memory()
 
 One code path: the trainer (rlslurm/megatron/trainer.py) and the RL policy (policy.py) run Megatron's own
 GPTModel, DistributedDataParallel (grad buffers, bucketed reduce-scatter), DistributedOptimizer (fp32 master
@@ -43,8 +42,6 @@ On a GPU, `on_device` is a null context and `apply_cpu_shims` returns at once: n
 from __future__ import annotations
 
 import contextlib
-import resource
-import sys
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -97,21 +94,3 @@ def on_device():
         return contextlib.nullcontext()
     apply_cpu_shims()
     return _CudaOnCpu()
-
-
-def reset_peak_memory() -> None:
-    """Start a new GPU memory peak (a step's); on the CPU the process's peak RSS cannot be reset."""
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-
-
-def peak_memory() -> dict[str, float]:
-    """This rank's memory peak in GB: on a GPU, allocated and reserved since `reset_peak_memory` (Megatron's
-    weights, grads, optimizer, activations, and whatever else the process holds there); on the CPU, the
-    process's peak resident set since it started (the only peak the kernel keeps)."""
-    if torch.cuda.is_available():
-        return {"train_peak_allocated_gb": torch.cuda.max_memory_allocated() / 1e9,
-                "train_peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9}
-    # ru_maxrss is KiB on Linux, bytes on macOS.
-    scale = 1 if sys.platform == "darwin" else 1024
-    return {"train_peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 1e9}

@@ -40,7 +40,7 @@ class OptimizerState:
 
     def _layout(self) -> dict:
         return {"world_size": self.owner.topo.world_size, "tp": self.owner.layout.tp,
-                "distributed_optimizer": self.owner.job.memory.distributed_optimizer}
+                "distributed_optimizer": self.owner.distributed_optimizer}
 
     def _inner(self) -> list:
         """The torch optimizers inside Megatron's (one per chained part)."""

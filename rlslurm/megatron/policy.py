@@ -1,11 +1,11 @@
 """`train.backend = megatron`: the RL policy on Megatron-core, beside rlslurm/rl/policy.py's torch Policy.
 
-    policy = MegatronPolicy(job, topo, model_dir)      # rlslurm/rl/policy.py's make_policy picks it by train.backend
-    stats = policy.update(samples, guard)              # rl.mini_batches clipped GRPO steps; peak memory in the stats
+    policy = MegatronPolicy(job, topo, model_dir)      # rlslurm/rl/loop.py's make_policy picks it by train.backend
+    stats = policy.update(samples, guard)              # rl.mini_batches clipped GRPO steps (memory: policy.meter)
     weights = policy.weights()                         # rank 0: {HF name: fp32 tensor}, what the engines serve
 
 The same interface as the torch Policy, so the RL loop does not know which one trains:
-  - `update(samples, guard)` makes the same clipped, sequence-mean GRPO objective (rlslurm/rl/objective.py)
+  - `update(samples, guard)` makes the same clipped objective (rlslurm/rl/objective.py, every rl: switch)
     on the same split (rlslurm/rl/batches.py: rl.mini_batches optimizer steps, forwards of
     parallel.micro_batch_size; tests/integration/test_megatron_policy.py holds it to the torch Policy's
     loss) through Megatron's DDP, distributed optimizer and schedule (rlslurm/megatron/trainer.py). Every
@@ -24,71 +24,54 @@ so the plan's memory prediction describes the trainer that runs (bench/gpu_smoke
 
 One code path: on a GPU under NCCL, and on the CPU under gloo (CI), the same Megatron DDP, distributed
 optimizer and schedule run (every call inside rlslurm/megatron/device.py's `on_device`, which answers
-megatron-core's CUDA assumptions on CPU). Peak memory in the stats: the GPU's allocated and reserved peak
-of the step, or on CPU the process's peak RSS (`train_peak_rss_gb`).
+megatron-core's CUDA assumptions on CPU). Memory per phase is measured as the torch policy's
+(rlslurm/memory_meter.py: the GPU allocator's peaks, or the live-tensor meter on the CPU); memory.fused_ce
+takes the decoder's hidden states through rlslurm/logprobs.py's chunked LM head (`token_nll`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import torch
 
+from rlslurm.config_rules import megatron_rules
 from rlslurm.diag.guard import PhaseGuard
 from rlslurm.dist import bind_local_gpu, compute_device
 from rlslurm.errors import ConfigError
-from rlslurm.megatron.device import on_device, peak_memory, reset_peak_memory
+from rlslurm.megatron.device import on_device
 from rlslurm.megatron.optimizer_state import OptimizerState
-from rlslurm.megatron.trainer import causal_mask
+from rlslurm.megatron.trainer import token_nll
+from rlslurm.memory_meter import MemoryMeter, owned_tensors
 from rlslurm.modelspec import ModelConfig
+from rlslurm.plan.memory import resolve
+from rlslurm.plan.parallel import trainer_rules
 from rlslurm.rl.batches import micro_batch_counts, micro_batches, mini_batches, share_sizes
+from rlslurm.rl.config import behaviour_forward
 from rlslurm.rl.experience import Sample
-from rlslurm.rl.objective import Packed, UpdateStats, behaviour_logprobs, grpo_objective, pack
+from rlslurm.rl.objective import Objective, Packed, UpdateStats, behaviour_logprobs, divisors, pack
 from rlslurm.rl.policy import RLPolicy
 
 log = logging.getLogger(__name__)
 
 
-# -- checks at config load (job_rules) ------------------------------------------------------------------
-
-def job_rules(job) -> list[tuple[str, str]]:
-    """(key, message) for each setting the Megatron trainer (SFT or RL) cannot run; JobConfig raises the
-    first, the message following `<key> = <value> ` as the loader prints it."""
-    rules = []
-    if job.job.kind not in ("rl", "sft"):
-        rules.append(("train.backend", f"is implemented for job.kind = 'rl' and 'sft', not job.kind = "
-                                       f"{job.job.kind!r}: set train.backend = torch"))
-    if job.job.kind == "rl" and job.rl.kl_coef > 0:
-        rules.append(("rl.kl_coef", "> 0 needs a frozen reference model, which train.backend = 'megatron' does "
-                                    "not build yet: set rl.kl_coef = 0 or train.backend = torch"))
-    for key in ("pp", "cp", "ep"):
-        value = getattr(job.parallel, key)
-        if value != 1:
-            rules.append((f"parallel.{key}", "must be 1 with train.backend = 'megatron': its trainer splits over "
-                                             "TP and data parallel only so far (parallel.pp = cp = ep = 1)"))
-    if job.parallel.etp not in (None, job.parallel.tp):
-        rules.append(("parallel.etp", "must be null (= parallel.tp) with train.backend = 'megatron': its trainer "
-                                      "trains dense models only so far"))
-    if job.memory.weight_bytes not in (2.0, 4.0):
-        rules.append(("memory.weight_bytes", "must be 2 (bf16 weights, fp32 master copy) or 4 (fp32) with "
-                                             "train.backend = 'megatron'"))
-    return rules
-
-
 def _value(job, key: str):
-    section, name = key.split(".")
-    return getattr(getattr(job, section), name)
+    for part in key.split("."):
+        job = getattr(job, part)
+    return job
 
 
 def train_config(job):
     """MegatronTrainConfig from `memory:` (the planner's knobs are the trainer's knobs)."""
     from rlslurm.megatron.trainer import MegatronTrainConfig
 
-    return MegatronTrainConfig(bf16=job.memory.weight_bytes == 2.0, recompute=job.memory.recompute,
-                               distributed_optimizer=job.memory.distributed_optimizer)
+    memory = resolve(job.memory, "megatron", job.hardware.profile)  # this trainer's, whatever train.backend says
+    return MegatronTrainConfig(bf16=memory.weight_bytes == 2.0, recompute=memory.recompute,
+                               distributed_optimizer=memory.distributed_optimizer)
 
 
 def hf_model_spec(model_dir: str | Path) -> tuple[ModelConfig, float]:
@@ -119,12 +102,23 @@ def spec_from_config(cfg: dict, *, name: str, where: str) -> tuple[ModelConfig, 
 
 # -- the model's log-probabilities (the objective itself is rlslurm/rl/objective.py's, shared with torch) --
 
-def token_logprobs(gpt, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def token_logprobs(gpt, tokens: torch.Tensor, labels: torch.Tensor, *, fused: bool = False) -> torch.Tensor:
     """log p(labels[:, t] | tokens[:, :t+1]) from a Megatron GPTModel (PP = 1); collective over its TP group."""
-    seq = tokens.shape[1]
-    positions = torch.arange(seq, device=tokens.device).unsqueeze(0).expand_as(tokens)
     with on_device():
-        return -gpt(tokens, positions, causal_mask(seq, tokens.device), labels=labels).float()
+        return -token_nll(gpt, tokens, labels, fused=fused).float()
+
+
+def megatron_owned(gpt, megatron_optimizer) -> list[torch.Tensor]:
+    """What a Megatron rank holds between steps: weights, Megatron's main grads, the optimizer's master
+    weights and moments (the CPU memory meter seeds them; rlslurm/memory_meter.py)."""
+    out = owned_tensors(gpt)
+    out += [p.main_grad for p in gpt.parameters() if getattr(p, "main_grad", None) is not None]
+    for chained in getattr(megatron_optimizer, "chained_optimizers", [megatron_optimizer]):
+        inner = getattr(chained, "optimizer", None)
+        if inner is not None:
+            out += owned_tensors(optimizer=inner)
+            out += [p for group in inner.param_groups for p in group["params"]]
+    return out
 
 
 # -- the policy -----------------------------------------------------------------------------------------
@@ -139,33 +133,45 @@ class MegatronPolicy(RLPolicy):
         from rlslurm.megatron.model import init_parallel
         from rlslurm.megatron.trainer import build_trainer
 
-        for key, message in job_rules(job):  # JobConfig refused these at load; a hand-built job may not have
+        for key, message in megatron_rules(job):  # JobConfig refused these at load; a hand-built job may not have
             raise ConfigError(f"{key} = {_value(job, key)!r} {message}")
+        for key, message in trainer_rules("megatron", job.parallel, job.model.experts):  # submit's pre-flight too
+            raise ConfigError(f"{key} {message}")
         if torch.cuda.is_available():
             bind_local_gpu(topo.local_rank)  # its own GPU, or an error naming why it has none
         self.device = compute_device()  # that GPU, else the CPU (gloo: rlslurm/megatron/device.py)
         self.job, self.topo, self.model_dir = job, topo, Path(model_dir)
+        self.objective = Objective.of(job)
         self.spec, norm_eps = hf_model_spec(model_dir)
         self.layout = Layout(tp=job.parallel.tp)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         init_parallel(self.layout, seed=job.train.seed)
-        self.ddp, self.megatron_optimizer = build_trainer(
-            self.spec, self.layout, train_config(job), lr=job.train.lr, grad_clip=job.train.grad_clip,
-            weight_decay=job.train.weight_decay, layernorm_epsilon=norm_eps,
-            init=lambda gpt: load_hf_into(gpt, SafetensorsDir(model_dir), self.spec, self.layout))
+        self.distributed_optimizer = train_config(job).distributed_optimizer
+        self.meter = MemoryMeter(self.device, job.diag.memory_every_steps, owned=self._owned)
+        with self.meter.tracking():  # Megatron's grad buffers and fp32 master weights: held all run
+            self.ddp, self.megatron_optimizer = build_trainer(
+                self.spec, self.layout, train_config(job), lr=job.train.lr, grad_clip=job.train.grad_clip,
+                weight_decay=job.train.weight_decay, layernorm_epsilon=norm_eps,
+                init=lambda gpt: load_hf_into(gpt, SafetensorsDir(model_dir), self.spec, self.layout))
         self.gpt = self.ddp.module
         self.steps = 0
         self._hf: dict[str, torch.Tensor] = {}
         self._export()
         self.model = HFView(self)
         self.optimizer = OptimizerState(self)
-        log.info("megatron policy on %s: %s, TP %d, %s, peak after build %s", self.device, self.spec,
-                 self.layout.tp, train_config(job), peak_memory())
+        log.info("megatron policy on %s: %s, TP %d, %s", self.device, self.spec, self.layout.tp, train_config(job))
+
+    def _owned(self) -> list[torch.Tensor]:
+        return megatron_owned(self.gpt, self.megatron_optimizer)
 
     def weights(self) -> dict[str, torch.Tensor]:
         """Rank 0: the policy after the last update, {HF name: fp32 tensor on this device}; a tied LM head
         once, as `model.embed_tokens.weight`. Other ranks: {} (they took part in the gather in `update`)."""
         return self._hf
+
+    def served_weights(self, full: bool = False) -> dict[str, torch.Tensor]:
+        """`weights()`: train.lora is refused with this backend, so a sync sends the whole model."""
+        return self.weights()
 
     def _export(self) -> None:
         """Collective: gather the HF tensors over TP; rank 0 keeps fp32 copies (the live ones move on)."""
@@ -199,7 +205,6 @@ class MegatronPolicy(RLPolicy):
         # The last version's fp32 copy goes first (the engines have it): the peak measured below is the
         # trainer's own step, what the plan's trainer peak predicts (plus a sync transport's buffers).
         self._hf = {}
-        reset_peak_memory()
         job, device = self.job, self.device
         local = self._data_parallel_share(samples)
         if step_total is None:
@@ -207,58 +212,73 @@ class MegatronPolicy(RLPolicy):
             dist.all_reduce(anyone, op=dist.ReduceOp.SUM)
             step_total = int(anyone.item())
         if step_total == 0:  # no rank has a sample: no step anywhere, the weights stay as they are
-            memory = peak_memory()
             self._export()
-            return {"loss": 0.0, "tokens": 0, "kl": 0.0, "grad_norm": 0.0, "mini_batches": 0, **memory}
+            return UpdateStats().result()  # the trained step's keys, `trained: false`
         # A TP group trains on the union of its ranks' shares (`_data_parallel_share`): its DP rank's share.
         tp, dp = self.layout.tp, self.topo.world_size // self.layout.tp
         dealt = share_sizes(step_total, self.topo.world_size)
         sizes = [sum(dealt[d * tp:(d + 1) * tp]) for d in range(dp)]
-        parts, chunks, behaviour, stats = prepare(
-            local, sizes, self.topo.rank // tp, job, lambda c: token_logprobs(self.gpt, c.tokens, c.labels), device)
+        fused = job.memory.fused_ce
+        with self.meter.measure("forward_backward"):
+            parts, chunks, behaviour, stats = prepare(
+                local, sizes, self.topo.rank // tp, job,
+                lambda c: token_logprobs(self.gpt, c.tokens, c.labels, fused=fused), device)
         guard.beat()
         loss = 0.0
-        for part, part_chunks, behave in zip(parts, chunks, behaviour):
+        reduce = (lambda t: dist.all_reduce(t, group=ps.get_data_parallel_group())) if dp > 1 else None
+        units = divisors(self.objective, parts, dp, reduce=reduce, device=device)  # token_mean: over the DP ranks
+        for part, part_chunks, behave, divisor in zip(parts, chunks, behaviour, units):
             if part.total:  # else: no DP rank has a sample in this mini-batch, none steps
-                loss += self._step(part_chunks, behave, part.total / dp, stats)
+                loss += self._step(part_chunks, behave, divisor, stats)
                 guard.beat()
-        memory = peak_memory()  # before the export adds the fp32 copy for the engines
         self._export()
         steps = len(stats.grad_norms)
         total = torch.tensor([loss], dtype=torch.float64, device=device)
         dist.all_reduce(total, group=ps.get_data_parallel_group())  # each DP rank's share of the mean
-        return {"loss": float(total.item()) / max(steps, 1), "kl": 0.0, "mini_batches": steps, **stats.result(),
-                **memory}
+        return stats.result(loss=float(total.item()) / max(steps, 1))
 
     def _step(self, chunks: list[Packed], behaviour: list[torch.Tensor], divisor: float, stats: UpdateStats) -> float:
         """One optimizer step over `chunks` (the same count on every DP rank) through Megatron's schedule;
         returns this rank's share of the mini-batch's loss (the loss / DP size)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        forward_step = partial(_forward_step, self.job.rl.clip_eps, divisor, len(chunks), stats)
+        forward_step = partial(_forward_step, self.objective, divisor, len(chunks), stats, self.job.memory.fused_ce)
         seq = chunks[0].tokens.shape[1]
         with on_device():
             self.ddp.zero_grad_buffer()
             self.megatron_optimizer.zero_grad()
-            reduced = get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=iter(list(zip(chunks, behaviour))), model=[self.ddp],
-                num_microbatches=len(chunks), seq_length=seq, micro_batch_size=self.job.parallel.micro_batch_size,
-                decoder_seq_length=seq, forward_only=False)
-            _updated, grad_norm, _ = self.megatron_optimizer.step()
+            with self.meter.measure("forward_backward"):
+                reduced = get_forward_backward_func()(
+                    forward_step_func=forward_step, data_iterator=iter(list(zip(chunks, behaviour))),
+                    model=[self.ddp], num_microbatches=len(chunks), seq_length=seq,
+                    micro_batch_size=self.job.parallel.micro_batch_size, decoder_seq_length=seq, forward_only=False)
+            with self.meter.measure("optimizer"):
+                _updated, grad_norm, _ = self.megatron_optimizer.step()
         self.steps += 1
         stats.grad_norms.append(float(grad_norm or 0.0))
         dp = self.topo.world_size // self.layout.tp
         return float(sum(r["loss"] for r in reduced)) / dp if reduced else float("nan")
 
 
+@dataclass(frozen=True)
+class FromForward:
+    """A micro-batch's behaviour log-probs in an update of one mini-batch (rlslurm/rl/batches.py
+    `behaviour_forward`): the training forward's own, detached, taken in `_loss`; `rows` are its samples, whose
+    engine/trainer gap and drift are observed there."""
+
+    rows: list
+
+
 def prepare(local: list[Sample], sizes: list[int], dp_rank: int, job, logprobs, device):
     """This DP rank's mini-batches (rlslurm/rl/batches.py), each as the micro-batches Megatron's schedule
     runs (as many on every DP rank), with the behaviour log-probs taken once, before the first optimizer
-    step, by `logprobs(chunk)`: (parts, chunks, behaviour, stats). Plain torch: runs on CPU too."""
+    step, by `logprobs(chunk)` (rl.mini_batches > 1; with one, a FromForward per micro-batch: the training
+    forward's own): (parts, chunks, behaviour, stats). Plain torch: runs on CPU too."""
     from rlslurm.tokenizer import PAD_ID
 
-    micro = job.parallel.micro_batch_size
+    micro, objective = job.parallel.micro_batch_size, Objective.of(job)
     parts = mini_batches(local, sizes, dp_rank, job.rl.mini_batches)
+    forward = behaviour_forward(job.rl.mini_batches)
     stats = UpdateStats()
     chunks, behaviour = [], []
     with torch.no_grad():
@@ -266,20 +286,22 @@ def prepare(local: list[Sample], sizes: list[int], dp_rank: int, job, logprobs, 
             chunks.append(split_rows(pack(part.samples, PAD_ID).to(device), micro, count))
             behaviour.append([])
             for rows, chunk in zip(micro_batches(part.samples, micro), chunks[-1]):
+                if not forward:
+                    behaviour[-1].append(FromForward(rows))
+                    continue
                 old = logprobs(chunk)
                 behaviour[-1].append(behaviour_logprobs(chunk, old))
-                stats.observe(rows, chunk, old, behaviour[-1][-1])
+                stats.observe(rows, chunk, old, behaviour[-1][-1], objective)
             behaviour[-1] += [torch.zeros_like(c.mask) for c in chunks[-1][len(behaviour[-1]):]]
     return parts, chunks, behaviour, stats
 
 
-def _forward_step(clip: float, divisor: float, micro_batches: int, stats: UpdateStats, data_iterator, model):
+def _forward_step(objective: Objective, divisor: float, micro_batches: int, stats: UpdateStats, fused: bool,
+                  data_iterator, model):
     """Megatron's forward_step_func: the model's per-token loss of one micro-batch, and the objective on it."""
     chunk, behave = next(data_iterator)
-    seq = chunk.tokens.shape[1]
-    positions = torch.arange(seq, device=chunk.tokens.device).unsqueeze(0).expand_as(chunk.tokens)
-    nll = model(chunk.tokens, positions, causal_mask(seq, chunk.tokens.device), labels=chunk.labels)
-    return nll, partial(_loss, chunk, behave, clip, divisor, micro_batches, stats)
+    nll = token_nll(model, chunk.tokens, chunk.labels, fused=fused)
+    return nll, partial(_loss, chunk, behave, objective, divisor, micro_batches, stats)
 
 
 def split_rows(batch: Packed, size: int, count: int) -> list[Packed]:
@@ -296,13 +318,18 @@ def _zero_rows(like: Packed) -> Packed:
                   torch.zeros_like(like.stale[:1]), like.lengths[:1].clone(), like.samples)
 
 
-def _loss(chunk: Packed, behaviour: torch.Tensor, clip: float, divisor: float, micro_batches: int,
+def _loss(chunk: Packed, behaviour: torch.Tensor | FromForward, objective: Objective, divisor: float,
+          micro_batches: int,
           stats: UpdateStats, nll: torch.Tensor):
     # Megatron divides a 2-tuple loss by the number of micro-batches; the objective is already this chunk's
     # share of the mini-batch's mean (x DP size, which Megatron's DDP averages away), so that division is undone.
     new = -nll.float()
-    loss = grpo_objective(new, behaviour, chunk, clip, divisor)
-    stats.clip(new, behaviour, chunk, clip)
+    if isinstance(behaviour, FromForward):  # one mini-batch: the behaviour policy is this very forward's
+        old = new.detach()
+        rows, behaviour = behaviour.rows, behaviour_logprobs(chunk, old)
+        stats.observe(rows, chunk, old, behaviour, objective)
+    loss = objective.loss(new, behaviour, chunk, divisor)
+    stats.clip(new, behaviour, chunk, objective)
     return loss * micro_batches, {"loss": loss.detach()}
 
 

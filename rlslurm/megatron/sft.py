@@ -34,6 +34,7 @@ from rlslurm.dist import Topology, compute_device
 from rlslurm.errors import CheckpointError
 from rlslurm.megatron.device import on_device
 from rlslurm.megatron.optimizer_state import OptimizerState
+from rlslurm.memory_meter import MemoryMeter
 from rlslurm.rundir import RunDir
 
 log = logging.getLogger(__name__)
@@ -65,13 +66,22 @@ class MegatronSFTState:
         self.hf = hf if topo.is_main else None  # rank 0's template of the export (its config and tensor names)
         self.layout = Layout(tp=job.parallel.tp)
         init_parallel(self.layout, seed=job.train.seed)
-        self.ddp, self.megatron_optimizer = build_trainer(
-            self.spec, self.layout, train_config(job), lr=job.train.lr, grad_clip=job.train.grad_clip,
-            weight_decay=job.train.weight_decay, layernorm_epsilon=norm_eps,
-            init=lambda gpt: load_hf_into(gpt, start, self.spec, self.layout))
+        self.distributed_optimizer = train_config(job).distributed_optimizer
+        self.meter = MemoryMeter(self.device, job.diag.memory_every_steps, owned=self._owned)
+        with self.meter.tracking():  # Megatron's grad buffers and fp32 master weights: held all run
+            self.ddp, self.megatron_optimizer = build_trainer(
+                self.spec, self.layout, train_config(job), lr=job.train.lr, grad_clip=job.train.grad_clip,
+                weight_decay=job.train.weight_decay, layernorm_epsilon=norm_eps,
+                init=lambda gpt: load_hf_into(gpt, start, self.spec, self.layout))
         self.gpt = self.ddp.module
         self.steps = 0
         self.optimizer = OptimizerState(self)
+
+    def _owned(self) -> list[torch.Tensor]:
+        """What this rank holds between steps (the CPU meter seeds it): rlslurm/megatron/policy.py's list."""
+        from rlslurm.megatron.policy import megatron_owned
+
+        return megatron_owned(self.gpt, self.megatron_optimizer)
 
     # -- what jobs/sft.py's loop reads ----------------------------------------------------------------
 
@@ -92,7 +102,8 @@ class MegatronSFTState:
         """One optimizer step on this rank's share; (loss averaged over ranks, gradient norm before clipping)."""
         from rlslurm.megatron.trainer import train_step
 
-        stats = train_step(self.ddp, self.megatron_optimizer, self.micro_batches(batch), lr=self.lr())
+        stats = train_step(self.ddp, self.megatron_optimizer, self.micro_batches(batch), lr=self.lr(),
+                           fused=self.job.memory.fused_ce, meter=self.meter)
         beat()
         self.steps += 1
         reported = torch.tensor([stats["loss"]], dtype=torch.float64, device=self.device)

@@ -26,6 +26,7 @@ from rlslurm.configfile import check
 from rlslurm.megatron.convert import Layout
 from rlslurm.megatron.device import on_device
 from rlslurm.megatron.model import build_gpt_model
+from rlslurm.memory_meter import MemoryMeter
 from rlslurm.modelspec import ModelConfig
 
 
@@ -112,24 +113,57 @@ def causal_mask(seq: int, device) -> torch.Tensor:
     return torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), diagonal=1)[None, None]
 
 
-def _forward_step(micro_batches: int, data_iterator: Iterator[dict], model):
+def token_nll(model, tokens: torch.Tensor, labels: torch.Tensor, *, fused: bool) -> torch.Tensor:
+    """[b, s] -log p(labels | tokens) of a GPTModel (or Megatron's DDP around one). Plain: Megatron's own
+    vocab-parallel cross entropy over the [s, b, vocab / TP] logits. Fused (memory.fused_ce): the decoder's
+    hidden states through rlslurm/logprobs.py's chunked LM head, reduced over the TP group, never holding
+    the logits of more than one chunk of tokens."""
+    from megatron.core import parallel_state as ps
+
+    from rlslurm.logprobs import token_logprobs as head_logprobs
+
+    seq = tokens.shape[1]
+    positions = torch.arange(seq, device=tokens.device).unsqueeze(0).expand_as(tokens)
+    mask = causal_mask(seq, tokens.device)
+    if not fused:
+        return model(tokens, positions, mask, labels=labels)
+    gpt = getattr(model, "module", model)
+    # GPTModel returns the decoder's output (final norm applied) before its output layer when post_process
+    # is off; the layers are built already, so this only skips the logits.
+    gpt.post_process = False
+    try:
+        hidden = model(tokens, positions, mask)  # [s, b, h]
+    finally:
+        gpt.post_process = True
+    weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights \
+        else gpt.output_layer.weight
+    b = tokens.shape[0]
+    flat = hidden.transpose(0, 1).reshape(b * seq, -1)
+    logprobs = head_logprobs(flat, weight, labels.reshape(-1), fused=True,
+                             group=ps.get_tensor_model_parallel_group())
+    return -logprobs.view(b, seq)
+
+
+
+
+def _forward_step(micro_batches: int, fused: bool, data_iterator: Iterator[dict], model):
     batch = next(data_iterator)
     device = next(model.parameters()).device
     tokens = batch["tokens"].to(device, non_blocking=True)
-    seq = tokens.shape[1]
-    positions = torch.arange(seq, device=device).unsqueeze(0).expand_as(tokens)
-    # With labels, GPTModel returns the per-token cross entropy (vocab-parallel, no full logits).
-    nll = model(tokens, positions, causal_mask(seq, device), labels=batch["labels"].to(device, non_blocking=True))
+    nll = token_nll(model, tokens, batch["labels"].to(device, non_blocking=True), fused=fused)
     return nll, partial(_weighted_nll, batch["weights"].to(device, non_blocking=True), micro_batches)
 
 
-def train_step(ddp, optimizer, micro_batches: list[dict], lr: float | None = None) -> dict[str, float]:
+def train_step(ddp, optimizer, micro_batches: list[dict], lr: float | None = None, *, fused: bool = False,
+               meter: MemoryMeter | None = None) -> dict[str, float]:
     """One optimizer step over micro-batches {tokens, labels, weights} of shape [micro_batch, seq], at
     learning rate `lr` (None: as the optimizer has it). The loss is sum(weights x the label's negative
     log-likelihood) over all micro-batches: weights summing to 1 over the step's tokens make it their mean
-    (rlslurm/megatron/sft.py). Returns {loss, grad_norm, updated} of this rank."""
+    (rlslurm/megatron/sft.py); `fused`: through the chunked LM head (`token_nll`); `meter`: the phases'
+    memory (rlslurm/memory_meter.py). Returns {loss, grad_norm, updated} of this rank."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    meter = meter or MemoryMeter(torch.device("cpu"), every_steps=0)
     if lr is not None:
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -137,12 +171,13 @@ def train_step(ddp, optimizer, micro_batches: list[dict], lr: float | None = Non
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
         seq = micro_batches[0]["tokens"].shape[1]
-        losses = get_forward_backward_func()(
-            forward_step_func=partial(_forward_step, len(micro_batches)), data_iterator=iter(micro_batches),
-            model=[ddp],
-            num_microbatches=len(micro_batches), seq_length=seq,
-            micro_batch_size=micro_batches[0]["tokens"].shape[0], decoder_seq_length=seq, forward_only=False)
-        updated, grad_norm, _ = optimizer.step()
+        with meter.measure("forward_backward"):
+            losses = get_forward_backward_func()(
+                forward_step_func=partial(_forward_step, len(micro_batches), fused),
+                data_iterator=iter(micro_batches), model=[ddp], num_microbatches=len(micro_batches), seq_length=seq,
+                micro_batch_size=micro_batches[0]["tokens"].shape[0], decoder_seq_length=seq, forward_only=False)
+        with meter.measure("optimizer"):
+            updated, grad_norm, _ = optimizer.step()
     # Only the last PP stage computes the loss; other stages report nan rather than a made-up number.
     loss = float(torch.stack([d["loss"] for d in losses]).sum()) if losses else float("nan")
     return {"loss": loss, "grad_norm": float(grad_norm or 0.0), "updated": float(bool(updated))}

@@ -10,13 +10,15 @@ from dataclasses import dataclass
 from rlslurm.configfile import check, check_range
 
 # Vendor figures. bandwidths in decimal GB/s (TB/s x 1000), memory in decimal GB as the lecture uses.
+# matmul_tflops: dense bf16 peak (no sparsity); a training step reaches timing.mfu of it.
 GPU_PROFILES: dict[str, dict[str, float]] = {
-    "h20-96g": {"hbm_gb": 96, "hbm_bandwidth_tb_s": 4.0, "pcie_gb_s": 64},
-    "h100-80g": {"hbm_gb": 80, "hbm_bandwidth_tb_s": 3.35, "pcie_gb_s": 64},
-    "h200-141g": {"hbm_gb": 141, "hbm_bandwidth_tb_s": 4.8, "pcie_gb_s": 64},
-    "a100-80g": {"hbm_gb": 80, "hbm_bandwidth_tb_s": 2.04, "pcie_gb_s": 32},
-    # The embedded default: CPU worker processes stand in for GPUs; "HBM" is a share of host RAM.
-    "cpu": {"hbm_gb": 4, "hbm_bandwidth_tb_s": 0.02, "pcie_gb_s": 10},
+    "h20-96g": {"hbm_gb": 96, "hbm_bandwidth_tb_s": 4.0, "pcie_gb_s": 64, "matmul_tflops": 148},
+    "h100-80g": {"hbm_gb": 80, "hbm_bandwidth_tb_s": 3.35, "pcie_gb_s": 64, "matmul_tflops": 989},
+    "h200-141g": {"hbm_gb": 141, "hbm_bandwidth_tb_s": 4.8, "pcie_gb_s": 64, "matmul_tflops": 989},
+    "a100-80g": {"hbm_gb": 80, "hbm_bandwidth_tb_s": 2.04, "pcie_gb_s": 32, "matmul_tflops": 312},
+    # The embedded default: CPU worker processes stand in for GPUs; "HBM" is a share of host RAM. Its speed is
+    # this machine's, measured (rlslurm/plan/machine.py), not a vendor figure.
+    "cpu": {"hbm_gb": 4, "hbm_bandwidth_tb_s": 0.02, "pcie_gb_s": 10, "matmul_tflops": 0.0},
 }
 
 
@@ -41,6 +43,15 @@ class HardwareConfig:
     """Shared filesystem bandwidth in GB/s (NFS); used by disk weight sync and checkpoints. Range [0.001, 100000]."""
     host_ram_gb: float = 2000.0
     """Host RAM per node in GB; bounds offload of training state. Range [0.1, 1e7]."""
+    matmul_tflops_override: float | None = None
+    """Override: dense bf16 matmul TFLOP/s of one GPU; null = the profile's. Range (0, 100000]."""
+    cpu_matmul_gflops: float | None = None
+    """cpu profile: fp32 matmul GFLOP/s of one trainer thread; null = measured on this machine
+    (rlslurm/plan/machine.py, cached). Range (0, 1000000]."""
+    cpu_op_overhead_us: float | None = None
+    """cpu profile: microseconds of one small op; null = measured on this machine. Range (0, 1000000]."""
+    cpu_copy_gb_s: float | None = None
+    """cpu profile: memory copy GB/s of one thread; null = measured on this machine. Range (0, 1000000]."""
 
     def __post_init__(self):
         check(len(self.profile) <= 64 and self.profile in GPU_PROFILES, "profile",
@@ -53,6 +64,9 @@ class HardwareConfig:
             check_range(getattr(self, name), name, 0.01, 100_000, note="GB/s")
         check_range(self.fs_bandwidth_gb_s, "fs_bandwidth_gb_s", 0.001, 100_000, note="GB/s")
         check_range(self.host_ram_gb, "host_ram_gb", 0.1, 10**7, note="GB")
+        check_range(self.matmul_tflops_override, "matmul_tflops_override", 0, 100_000, low_open=True, note="TFLOP/s")
+        for name in ("cpu_matmul_gflops", "cpu_op_overhead_us", "cpu_copy_gb_s"):
+            check_range(getattr(self, name), name, 0, 10**6, low_open=True)
 
     def _pick(self, name: str) -> float:
         value = getattr(self, name)
@@ -65,6 +79,10 @@ class HardwareConfig:
     @property
     def hbm_tb_s(self) -> float:
         return self._pick("hbm_bandwidth_tb_s")
+
+    @property
+    def matmul_tflops(self) -> float:
+        return float(self.matmul_tflops_override or GPU_PROFILES[self.profile]["matmul_tflops"])
 
     @property
     def host_link_gb_s(self) -> float:

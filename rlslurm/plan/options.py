@@ -117,12 +117,15 @@ def _split_blockers(s: Split, job: "JobConfig") -> list[Blocker]:
 
 
 def option(job: "JobConfig", placement: Placement, s: Split, method: SyncMethod, colo: Colocate,
-           syncs: dict[SyncMethod, Q], reward_s: float, kv: KVCache, weights: Q, advice: str) -> Option:
+           syncs: dict[SyncMethod, Q], reward_s: float, kv: KVCache, weights: Q, advice: str,
+           rollout_s: float = 0.0, idle_s: float = 0.0) -> Option:
     """The option `placement` at split `s` with `method`, its step and its blockers."""
     blockers, not_yet, cap = _split_blockers(s, job), False, None
     offload_s = 0.0
     if placement == "colocate":
-        if s.memory is not None and colo.train_verdict not in ("OOM", "invalid") and not colo.fits_without_offload:
+        # An SFT (or toy) job runs no engine: nothing has to fit beside its training peak.
+        if job.job.kind == "rl" and s.memory is not None and colo.train_verdict not in ("OOM", "invalid") \
+                and not colo.fits_without_offload:
             offload_s = colo.offload_per_step_s.value
             more, not_yet = _offload_blockers(colo, s.memory.resident, job)
             not_yet = not_yet and not blockers
@@ -154,14 +157,14 @@ def option(job: "JobConfig", placement: Placement, s: Split, method: SyncMethod,
     if gpus:
         blockers += [("more GPUs than a node has", p) for p in gpus]
         not_yet = False
-    step = StepSplit(method, placement, job.timing.rollout_s, reward_s, s.train_step.value, syncs[method].value,
-                     offload_s)
+    step = StepSplit(method, placement, rollout_s, reward_s, s.train_step.value, syncs[method].value, offload_s,
+                     idle_s)
     return Option(placement, s, step, tuple(b for _, b in blockers), tuple(r for r, _ in blockers), not_yet, cap)
 
 
 def all_options(job: "JobConfig", splits: list[Split], colo: Colocate, syncs: dict[SyncMethod, Q], reward_s: float,
-                kv: KVCache, weights: Q, advice: str) -> list[Option]:
+                kv: KVCache, weights: Q, advice: str, rollout_s: float = 0.0, idle_s: float = 0.0) -> list[Option]:
     """Colocation on every GPU, then each separate split (1 .. nodes - 1 rollout nodes), each sync method."""
-    return [option(job, placement, s, method, colo, syncs, reward_s, kv, weights, advice)
+    return [option(job, placement, s, method, colo, syncs, reward_s, kv, weights, advice, rollout_s, idle_s)
             for placement, group in (("colocate", splits[:1]), ("separate", splits[1:]))
             for s in group for method in METHODS]

@@ -142,3 +142,31 @@ def world_rules(parallel: ParallelConfig, world: int) -> list[Rule]:
                            f"divide {world} training GPUs (Megatron's expert layers: expert-DP = world / "
                            "(ETP x EP x PP))"))
     return broken
+
+
+def trainer_rules(backend: str, p: ParallelConfig, experts: int) -> list[tuple[str, str]]:
+    """(key, message) for each split `backend`'s trainer in rlslurm's runtime does not do yet: the torch trainer
+    is data-parallel (DDP) over a dense model, Megatron's splits over TP and DP. The plan computes such a
+    layout anyway (the arithmetic is for the cluster you will run); `rlslurm submit` refuses it, naming why."""
+    out = []
+    if backend == "torch":
+        for key in ("tp", "pp", "cp", "ep"):
+            if getattr(p, key) != 1:
+                out.append((f"parallel.{key}", f"= {getattr(p, key)} needs train.backend = megatron: the torch trainer "
+                                               "is data-parallel only (DDP)"))
+        if experts:
+            out.append(("model.experts", f"= {experts}: the torch trainer's model is dense; MoE is not run by "
+                                         "rlslurm's trainers yet (plan only)"))
+        return out
+    for key in ("pp", "cp", "ep"):
+        if getattr(p, key) != 1:
+            out.append((f"parallel.{key}", f"= {getattr(p, key)} must be 1 with train.backend = 'megatron': its "
+                                           "trainer splits over TP and data parallel only so far"))
+    if p.etp not in (None, p.tp):
+        out.append(("parallel.etp", f"= {p.etp} must be null (= parallel.tp) with train.backend = 'megatron': its "
+                                    "trainer trains dense models only so far"))
+    if experts:
+        out.append(("model.experts", f"= {experts}: rlslurm's Megatron trainer trains dense models only so far "
+                                     "(plan only)"))
+    return out
+

@@ -18,15 +18,10 @@ from rich.table import Table
 from rlslurm.network import network_env
 from rlslurm.plan.checkpoint_interval import young_interval_s
 from rlslurm.plan.quantity import Q, num, params
+from rlslurm.plan.report import Plan, preflight, timeouts
 
 if TYPE_CHECKING:
     from rlslurm.plan.options import Option
-    from rlslurm.plan.report import Plan
-
-
-def timeouts(plan: Plan):
-    from rlslurm.plan.report import timeouts as chain
-    return chain(plan)
 
 WIDTH = 132
 
@@ -117,7 +112,7 @@ def _sections(plan: Plan, problems: list[str], explain: bool) -> list[Any]:
         f"model {job.model.name}: {params(c.expert)} expert + {params(c.dense)} dense params, "
         f"{params(c.active)} active; "
         f"TP {p.tp} PP {p.pp} CP {p.cp} EP {p.ep}, micro batch {p.micro_batch_size} x {p.seq_len} tokens, "
-        f"recompute {job.memory.recompute}",
+        f"recompute {job.resolved_memory.recompute}",
     ]
     if explain and c.overridden:
         out.append(f"    the shape gives {params(c.shape_expert)} expert, {params(c.shape_dense)} dense, "
@@ -170,6 +165,13 @@ def _sections(plan: Plan, problems: list[str], explain: bool) -> list[Any]:
               f"the step uses {rw.used.text()} ({rw.used.how})"]
     if explain:
         _explain(lines, list(plan.syncs.values()) + [rw.serial, rw.concurrent, rw.used])
+    lines.append(f"speed: {plan.speed.how}; rollout {plan.rollout_s.text()} per step")
+    if explain:
+        _explain(lines, [plan.rollout_s, plan.chosen.train_step])
+    cal = plan.calibration
+    if cal is not None:
+        lines.append(f"calibrated from {cal.run}: measured {', '.join(cal.measured()) or 'nothing'}; "
+                     f"still assumed: {', '.join(cal.assumed()) or 'nothing'}")
     out += ["\n".join(lines), _step_table(plan)]
     lines = _choice(plan) + [plan.gpus.text(), _network_line(job)]
     if explain:
@@ -182,15 +184,16 @@ def _sections(plan: Plan, problems: list[str], explain: bool) -> list[Any]:
         _explain(lines, [plan.rl_step_s] + [q for a in plan.amortisation for q in (a.saved_per_step, a.saved_total_h)])
     ck, ckc = plan.checkpoint, job.checkpoint
     step = plan.checkpoint_step_s.value
-    young = young_interval_s(ckc.cost_s, ckc.mtbf_h * 3600)
+    cost_s = plan.checkpoint_cost_s
+    young = young_interval_s(cost_s, ckc.mtbf_h * 3600)
     capped = (f"Young {young:,.0f} s capped at the time limit {plan.checkpoint_cap_s:,.0f} s"
               if young > plan.checkpoint_cap_s else f"Young {ck.young_s:,.0f} s")
-    lines += ["", f"checkpoint (C = {ckc.cost_s:g} s, MTBF {ckc.mtbf_h:g} h): "
+    lines += ["", f"checkpoint (C = {num(cost_s)} s, MTBF {ckc.mtbf_h:g} h): "
                   f"{capped} = {ck.young_steps} train steps of {step:g} s; "
                   f"Daly {ck.daly_s:,.0f} s = {ck.daly_steps} steps; "
                   f"= {max(1, round(ck.young_s / plan.rl_step_s.value))} RL steps of {plan.rl_step_s.text()}"]
     if explain:
-        lines.append(f"    Young = sqrt(2 x C {ckc.cost_s:g} s x MTBF {ckc.mtbf_h * 3600:g} s) = {ck.young_s:,.0f} s")
+        lines.append(f"    Young = sqrt(2 x C {num(cost_s)} s x MTBF {ckc.mtbf_h * 3600:g} s) = {ck.young_s:,.0f} s")
     lines += [""] + timeouts(plan).lines()
     lines += [""] + [f"warning: {w}" for w in plan.warnings]
     lines += ([f"preflight: REFUSE: {pr}" for pr in problems] if problems
@@ -233,8 +236,9 @@ def _option(o: Option) -> dict[str, Any]:
     r = o.step
     return {"placement": o.placement, "rollout_nodes": o.split.rollout_nodes, "train_gpus": o.split.train_gpus,
             "sync_method": r.method, "status": o.status, "runnable": o.runnable, "blockers": list(o.blockers),
-            "rollout_s": r.rollout_s, "reward_s": r.reward_s, "train_s": round(r.train_s, 4),
-            "sync_s": round(r.sync_s, 4), "offload_s": round(r.offload_s, 4), "total_s": round(r.total_s, 4),
+            "rollout_s": round(r.rollout_s, 6), "reward_s": round(r.reward_s, 6), "train_s": round(r.train_s, 6),
+            "sync_s": round(r.sync_s, 6), "offload_s": round(r.offload_s, 4), "idle_s": round(r.idle_s, 6),
+            "total_s": round(r.total_s, 6),
             "sync_share_pct": round(r.share_pct(r.sync_s), 4)}
 
 
@@ -247,7 +251,8 @@ def as_json(plan: Plan, problems: list[str]) -> str:
                                "broken_rules": [r.message for r in s.broken], **_qs(s.train_step)}
         if s.memory is not None:
             m = s.memory
-            row.update(dp=m.dp, expert_dp=m.expert_dp, **_qs(*m.terms), terms=_terms(*m.terms))
+            row.update(dp=m.dp, expert_dp=m.expert_dp, **_qs(*m.terms), terms=_terms(*m.terms),
+                       peak_activations_gb=round(m.peak_activations_gb, 6))
         splits.append(row)
     colo, rw = plan.colocate, plan.reward
     runner_up, faster = plan.alternatives()
@@ -277,7 +282,12 @@ def as_json(plan: Plan, problems: list[str]) -> str:
                     **({"engines": plan.rollout.engines,
                         **_qs(plan.rollout.kv_space_per_gpu, plan.rollout.tokens_per_engine, plan.rollout.seqs_total)}
                        if plan.rollout is not None else {})},
-        "sync_s": {m: round(q.value, 4) for m, q in plan.syncs.items()},
+        "sync_s": {m: round(q.value, 6) for m, q in plan.syncs.items()},
+        "speed": {"matmul_flops": plan.speed.flops, "op_s": plan.speed.op_s, "hbm_gb_s": plan.speed.hbm_gb_s,
+                  "how": plan.speed.how},
+        "rollout_step_s": round(plan.rollout_s.value, 6),
+        "calibration": ({**plan.calibration.as_dict(), "measured": plan.calibration.measured(),
+                         "assumed": plan.calibration.assumed()} if plan.calibration is not None else None),
         "reward": {"responses": rw.responses, **_qs(rw.serial, rw.concurrent, rw.used)},
         "options": [_option(o) for o in plan.options],
         "recompute": _qs(*plan.recompute),
@@ -286,9 +296,20 @@ def as_json(plan: Plan, problems: list[str]) -> str:
         "checkpoint": {"young_s": round(plan.checkpoint.young_s, 2), "daly_s": round(plan.checkpoint.daly_s, 2),
                        "young_steps": plan.checkpoint.young_steps, "daly_steps": plan.checkpoint.daly_steps,
                        "step_s": plan.checkpoint_step_s.value, "cap_s": plan.checkpoint_cap_s,
+                       "cost_s": round(plan.checkpoint_cost_s, 4),
                        "rl_step_s": round(plan.rl_step_s.value, 4)},
         "timeout_chain": timeouts(plan).as_json(),
         "warnings": plan.warnings,
         "preflight_problems": problems,
     }
     return json.dumps(data, indent=2) + "\n"
+
+
+def render_text(plan: Plan, explain: bool = False) -> str:
+    """The human view of `plan`, its preflight problems at the end (what `rlslurm plan` prints)."""
+    return text(plan, preflight(plan), explain)
+
+
+def render_json(plan: Plan) -> str:
+    """The machine view: every number with its unit in the key (`rlslurm plan --json`, the run's plan.json)."""
+    return as_json(plan, preflight(plan))

@@ -1,7 +1,7 @@
 """The plan of one job: every figure `rlslurm plan` prints, and the checks `rlslurm submit` runs on it.
 
     plan = build_plan(load_config("examples/lecture-h20.yaml"))
-    print(render_text(plan, explain=True))      # tables; --explain adds each number's terms
+    print(render_text(plan, explain=True))      # rlslurm/plan/render.py: tables; --explain adds each number's terms
     problems = preflight(plan)                  # non-empty: submit refuses, naming each reason
 
 "What can be computed must not be guessed": memory per split, divisibility, colocate vs. separate,
@@ -19,14 +19,17 @@ from functools import partial
 
 from rlslurm.config import JobConfig
 from rlslurm.modelspec import ParamCounts, param_counts
+from rlslurm.plan.calibration import Calibration
 from rlslurm.plan.checkpoint_interval import Interval, checkpoint_interval
+from rlslurm.plan.compute import DeviceSpeed, device_speed, rollout_seconds
 from rlslurm.plan.decode import KVCache, RolloutCapacity, kv_cache, roofline, roofline_by_profile, weights_gb
 from rlslurm.plan.gpus import GpuPlan, gpu_plan
+from rlslurm.plan.lora import job_adapter_params, sync_weights as lora_sync_weights
 from rlslurm.plan.memory import TrainerMemory, trainer_memory
 from rlslurm.plan.options import PLACEMENTS, Option, Placement, all_options, option
-from rlslurm.plan.parallel import Rule, static_rules
+from rlslurm.plan.parallel import Rule, static_rules, trainer_rules
 from rlslurm.plan.placement import Colocate, colocate, stated_placement
-from rlslurm.plan.quantity import Q
+from rlslurm.plan.quantity import Q, num
 from rlslurm.plan.recompute import MODES, forward_flops, recompute_factor, recompute_scale
 from rlslurm.plan.splits import Split, advice, all_splits, recommend
 from rlslurm.plan.steptime import Amortisation, RewardPhase, StepSplit, SyncMethod, amortise, reward_phase, sync_times
@@ -35,7 +38,7 @@ from rlslurm.plan.timeouts import Chain, timeout_chain
 
 @dataclass(frozen=True)
 class Plan:
-    """Everything the planner computed for one job config; render_text / render_json show it."""
+    """Everything the planner computed for one job config; render.py's render_text / render_json show it."""
 
     job: JobConfig
     counts: ParamCounts
@@ -62,6 +65,14 @@ class Plan:
     checkpoint_cap_s: float
     rl_step_s: Q
     warnings: list[str]
+    speed: DeviceSpeed
+    """The device speed the step times are counted at (rlslurm/plan/compute.py)."""
+    rollout_s: Q
+    """One step's rollout: timing.rollout_s, else counted (and calibrated)."""
+    checkpoint_cost_s: float
+    """C of the Young/Daly interval: checkpoint.cost_s, or a run's measured cost scaled to this model."""
+    calibration: Calibration | None = None
+    """The run whose measurements scale this plan's terms (`rlslurm plan --from-run`), if any."""
 
     @property
     def placement(self) -> Placement:
@@ -152,51 +163,84 @@ def _choose(job: JobConfig, options: list[Option], fallback) -> Option:
     return min(allowed, key=lambda o: (len(o.blockers), o.step.total_s))
 
 
-def build_plan(job: JobConfig) -> Plan:
-    """Compute the whole plan; pure arithmetic on the config (no cluster, no GPU)."""
-    hw, m = job.hardware, job.model
+def build_plan(job: JobConfig, calibration: Calibration | None = None) -> Plan:
+    """Compute the whole plan; arithmetic on the config and the device's speed (a GPU profile's vendor figures,
+    or this machine's, measured once: rlslurm/plan/machine.py), each term scaled by a run's measured / planned
+    where `calibration` holds one (`rlslurm plan --from-run`)."""
+    hw, m, cal = job.hardware, job.model, calibration
     counts = param_counts(m)
-    splits = all_splits(job, counts)
+    speed = device_speed(hw, job.timing.mfu)
+    splits = all_splits(job, counts, speed, cal)
     best = recommend(splits)
     how = advice(splits, hw.gpus_per_node)
     weights = weights_gb(counts, job.sync.weights_gb)
     kv = kv_cache(m, job.rollout)
     colo = colocate(splits[0].memory, hw, job.rollout, kv, weights, job.placement)
-    syncs = sync_times(weights, hw)
-    reward = reward_phase(job.rl, job.reward, job.timing)
+    run = cal.run if cal else ""
+    syncs = sync_times(lora_sync_weights(weights, job), hw, cal.sync_overhead_s or 0.0 if cal else 0.0, run)
+    reward = reward_phase(job.rl, job.reward, job.timing, cal.reward_s_per_response if cal else None, run)
+    rollout = _rollout(job, counts, speed, cal)
+    idle_s = cal.idle_s or 0.0 if cal else 0.0
     make = partial(option, job, colo=colo, syncs=syncs, reward_s=reward.used.value, kv=kv, weights=weights,
-                   advice=how)
-    options = all_options(job, splits, colo, syncs, reward.used.value, kv, weights, how)
+                   advice=how, rollout_s=rollout.value, idle_s=idle_s)
+    options = all_options(job, splits, colo, syncs, reward.used.value, kv, weights, how, rollout.value, idle_s)
     chosen = _choose(job, options, lambda method: make("separate", splits[0], method))
     fused = None
     mem = chosen.split.memory
     # The what-if is worth a line only when the logits are a real share (>= 1 %) of the GPU's memory.
     if mem is not None and not job.memory.fused_ce and mem.activations.logits.value >= 0.01 * hw.gpu_mem_gb:
-        with_fused = dataclasses.replace(job.memory, fused_ce=True)
-        fused = trainer_memory(counts, m, job.parallel, with_fused, hw.gpu_mem_gb, mem.dp)
+        with_fused = dataclasses.replace(job.resolved_memory, fused_ce=True)
+        fused = trainer_memory(counts, m, job.parallel, with_fused, hw.gpu_mem_gb, mem.dp, backend=job.train.backend,
+                               accumulates=job.accumulates(mem.dp), adapters=job_adapter_params(job))
     offload_s = 0.0 if colo.fits_without_offload or colo.train_verdict == "invalid" else colo.offload_per_step_s.value
     amort = amortise(syncs, offload_s, job.timing.total_steps, hw.total_gpus)
     step = chosen.step
+    idle = f" + idle {step.idle_s:.3g} (measured: {run})" if step.idle_s else ""
     rl_step = Q("RL step", step.total_s, "s",
-                f"rollout {step.rollout_s:g} + reward {step.reward_s:g} + train {step.train_s:.1f} "
-                f"+ sync {step.sync_s:.2f} ({step.method}) + offload {step.offload_s:.2f}")
+                f"rollout {num(step.rollout_s)} + reward {num(step.reward_s)} + train {num(step.train_s)} "
+                f"+ sync {num(step.sync_s)} ({step.method}) + offload {step.offload_s:.2f}{idle}")
     flops = forward_flops(m, job.parallel)
     recompute = [flops.layer_matmuls, flops.core_attention, flops.head, flops.total,
                  *(recompute_factor(m, job.parallel, mode) for mode in MODES),
-                 recompute_scale(m, job.parallel, job.memory)]
+                 recompute_scale(m, job.parallel, job.resolved_memory)]
     ck = job.checkpoint
     # The interval must fit in one allocation: the signal before the time limit ends useful work.
     wall_s = float(job.cluster.time_limit_min * 60 - job.cluster.signal_before_s)
     # Young/Daly count in seconds of work; the lecture's 77 steps are training steps of timing.train_step_s.
-    ck_step = Q("checkpoint step", job.timing.train_step_s, "s", "timing.train_step_s")
-    interval = checkpoint_interval(ck.cost_s, ck.mtbf_h * 3600, ck_step.value, wall_s)
+    if job.timing.train_step_s is not None:
+        ck_step = Q("checkpoint step", job.timing.train_step_s, "s", "timing.train_step_s")
+    else:
+        ck_step = Q("checkpoint step", chosen.split.train_step.value, "s", "the chosen split's train step")
+    cost_s = ck.cost_s
+    if cal and cal.checkpoint_s_per_gparam is not None and not _set(job.checkpoint, "cost_s"):
+        cost_s = cal.checkpoint_s_per_gparam * counts.total / 1e9
+    interval = checkpoint_interval(cost_s, ck.mtbf_h * 3600, ck_step.value, wall_s)
     plan = Plan(job, counts, splits, static_rules(job.parallel, m.layers, m.heads, m.n_kv_heads, m.experts,
                                                   hw.gpus_per_node, job.rollout.tp),
                 best, how, options, chosen, fused, colo, weights, kv, roofline(counts.active, hw.hbm_tb_s),
                 roofline_by_profile(counts.active), syncs, reward, recompute, amort, interval, ck_step, wall_s,
-                rl_step, [])
+                rl_step, [], speed, rollout, cost_s, cal)
     plan.warnings.extend(_warnings(plan))
     return plan
+
+
+def _rollout(job: JobConfig, counts: ParamCounts, speed: DeviceSpeed, cal: Calibration | None) -> Q:
+    """timing.rollout_s as measured, else counted over the job's engines, scaled by a run's measured / planned."""
+    if job.timing.rollout_s is not None:
+        return Q("rollout", job.timing.rollout_s, "s", "timing.rollout_s")
+    if job.job.kind != "rl":
+        return Q("rollout", 0.0, "s", f"job.kind = {job.job.kind!r}: no rollout")
+    counted = rollout_seconds(job, counts, job.rollout.engines, speed)
+    if cal and cal.rollout is not None:
+        return Q("rollout", counted.value * cal.rollout, "s",
+                 f"({counted.how}) x measured/planned {cal.rollout:.3g} ({cal.run})")
+    return counted
+
+
+def _set(config, name: str) -> bool:
+    """Whether `config.name` differs from its default (a value the user wrote wins over a calibration)."""
+    f = next(f for f in dataclasses.fields(config) if f.name == name)
+    return getattr(config, name) != f.default
 
 
 def _warnings(plan: Plan) -> list[str]:
@@ -221,9 +265,11 @@ def preflight(plan: Plan) -> list[str]:
     """Reasons `rlslurm submit` must refuse this job (empty = go): broken rules, OOM, a placement or sync
     method the job cannot run (rlslurm/plan/options.py names each), a timeout chain that cannot work
     (rlslurm/plan/timeouts.py)."""
-    o = plan.option
+    o, job = plan.option, plan.job
     where = f"{o.placement}, {o.split.train_gpus} training GPUs"
-    return ([r.message for r in plan.static_broken] + [f"{where}: {b}" for b in o.blockers]
+    trainer = [f"{key} {message}" for key, message in trainer_rules(job.train.backend, job.parallel,
+                                                                      job.model.experts)]
+    return ([r.message for r in plan.static_broken] + trainer + [f"{where}: {b}" for b in o.blockers]
             + timeouts(plan).problems())
 
 
@@ -231,15 +277,3 @@ def timeouts(plan: Plan) -> Chain:
     """The job's timeout chain (rlslurm/plan/timeouts.py); the drain's step is the plan's step time."""
     step = plan.rl_step_s if plan.job.job.kind == "rl" else plan.checkpoint_step_s
     return timeout_chain(plan.job, step_s=step.value)
-
-
-def render_text(plan: Plan, explain: bool = False) -> str:
-    """The human view (see rlslurm/plan/render.py)."""
-    from rlslurm.plan.render import text
-    return text(plan, preflight(plan), explain)
-
-
-def render_json(plan: Plan) -> str:
-    """The machine view: every number with its unit in the key (see rlslurm/plan/render.py)."""
-    from rlslurm.plan.render import as_json
-    return as_json(plan, preflight(plan))

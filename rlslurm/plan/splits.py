@@ -12,6 +12,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rlslurm.modelspec import ParamCounts
+from rlslurm.plan.calibration import Calibration
+from rlslurm.plan.compute import DeviceSpeed, train_seconds
+from rlslurm.plan.lora import job_adapter_params
 from rlslurm.plan.memory import TrainerMemory, trainer_memory
 from rlslurm.plan.parallel import Rule, data_parallel, rollout_rules, world_rules
 from rlslurm.plan.quantity import Q
@@ -47,23 +50,38 @@ class Split:
         return self.verdict in RUNNABLE
 
 
-def split(job: "JobConfig", counts: ParamCounts, rollout_nodes: int) -> Split:
-    """The split with `rollout_nodes` nodes given to rollout (0 = every GPU trains: colocation)."""
+def split(job: "JobConfig", counts: ParamCounts, rollout_nodes: int, speed: DeviceSpeed,
+          calibration: Calibration | None = None) -> Split:
+    """The split with `rollout_nodes` nodes given to rollout (0 = every GPU trains: colocation). Its train step
+    is timing.train_step_s scaled to its GPUs when measured, else counted (rlslurm/plan/compute.py) and scaled by
+    a run's measured / planned (`calibration`)."""
     hw, p = job.hardware, job.parallel
     train_gpus = (hw.nodes - rollout_nodes) * hw.gpus_per_node
     rollout_gpus = rollout_nodes * hw.gpus_per_node
     world_broken = world_rules(p, train_gpus)
     broken = tuple(world_broken + rollout_rules(rollout_gpus, job.rollout.tp))
     memory = None
+    dp = data_parallel(p, train_gpus) if not world_broken else max(1, train_gpus // (p.tp * p.pp * p.cp))
+    cal = calibration
     if not world_broken:
-        memory = trainer_memory(counts, job.model, p, job.memory, hw.gpu_mem_gb, data_parallel(p, train_gpus))
-    return Split(rollout_nodes, train_gpus, rollout_gpus, broken, memory,
-                 train_step_s(job.timing, train_gpus, hw.total_gpus, recompute_scale(job.model, p, job.memory)))
+        memory = trainer_memory(counts, job.model, p, job.resolved_memory, hw.gpu_mem_gb, dp,
+                                backend=job.train.backend, accumulates=job.accumulates(dp),
+                                act_scale=cal.activations if cal else None, run=cal.run if cal else "",
+                                adapters=job_adapter_params(job))
+    if job.timing.train_step_s is not None:
+        step = train_step_s(job.timing, train_gpus, hw.total_gpus, recompute_scale(job.model, p, job.resolved_memory))
+    else:
+        step = train_seconds(job, counts, dp, speed)
+        if cal and cal.train is not None:
+            step = Q(step.label, step.value * cal.train, "s",
+                     f"({step.how}) x measured/planned {cal.train:.3g} ({cal.run})")
+    return Split(rollout_nodes, train_gpus, rollout_gpus, broken, memory, step)
 
 
-def all_splits(job: "JobConfig", counts: ParamCounts) -> list[Split]:
+def all_splits(job: "JobConfig", counts: ParamCounts, speed: DeviceSpeed,
+               calibration: Calibration | None = None) -> list[Split]:
     """Splits from 0 rollout nodes (all train) to nodes - 1 (one node keeps training)."""
-    return [split(job, counts, r) for r in range(job.hardware.nodes)]
+    return [split(job, counts, r, speed, calibration) for r in range(job.hardware.nodes)]
 
 
 def recommend(splits: list[Split]) -> int | None:

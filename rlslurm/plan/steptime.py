@@ -20,12 +20,17 @@ from rlslurm.rl.config import RLConfig
 
 @dataclass(frozen=True, kw_only=True)
 class TimingConfig:
-    train_step_s: float = 1.0
-    """Seconds of one training step measured with `train_step_ref_gpus` training GPUs. Range [0.001, 1e7]."""
+    train_step_s: float | None = None
+    """Override: seconds of one training step measured with `train_step_ref_gpus` training GPUs; null = counted
+    from the shape and the device's speed (rlslurm/plan/compute.py). Range [0.001, 1e7]."""
     train_step_ref_gpus: int | None = None
     """GPU count at which train_step_s was measured; null = all GPUs of the cluster. Range [1, 4096]."""
-    rollout_s: float = 1.0
-    """Seconds of the rollout phase of one step (generation of all samples). Range [0, 1e7]."""
+    rollout_s: float | None = None
+    """Override: seconds of the rollout phase of one step (generation of all samples); null = counted
+    (rlslurm/plan/compute.py). Range [0, 1e7]."""
+    mfu: float = 0.4
+    """Share of a GPU's peak matmul FLOP/s a training step and a prefill reach (the cpu profile uses this
+    machine's measured rate as it is). Range (0, 1]."""
     reward_s: float | None = None
     """Override: seconds of the reward phase; null = computed from reward.latency_s and concurrency.
     Range [0, 1e7]."""
@@ -39,13 +44,19 @@ class TimingConfig:
         for name in ("rollout_s", "reward_s"):
             check_range(getattr(self, name), name, 0, 10**7, note="seconds")
         check_range(self.total_steps, "total_steps", 1, 10**9)
+        check_range(self.mfu, "mfu", 0, 1, low_open=True)
 
 
 SyncMethod = Literal["disk", "broadcast", "ipc"]
 
 
-def sync_times(weights: Q, hw: HardwareConfig) -> dict[SyncMethod, Q]:
-    """Seconds to move the weights once, per method (bandwidth-bound; the lecture's 70 s / ~3 s / sub-second)."""
+def sync_times(weights: Q, hw: HardwareConfig, overhead_s: float = 0.0, run: str = "") -> dict[SyncMethod, Q]:
+    """Seconds to move the weights once, per method (bandwidth-bound; the lecture's 70 s / ~3 s / sub-second),
+    plus `overhead_s` a run measured beyond the bytes (the protocol's round trips)."""
+    if overhead_s:
+        plain = sync_times(weights, hw)
+        return {k: Q(q.label, q.value + overhead_s, "s", f"{q.how} + protocol {overhead_s:.3g} s (measured: {run})")
+                for k, q in plain.items()}
     hbm_gb_s = hw.hbm_tb_s * 1000
     return {
         "disk": Q("sync disk", weights.value / hw.fs_bandwidth_gb_s, "s",
@@ -67,15 +78,21 @@ class RewardPhase:
     used: Q
 
 
-def reward_phase(rl: RLConfig, reward: RewardConfig, timing: TimingConfig) -> RewardPhase:
-    """responses x latency (serial) vs. / concurrency; timing.reward_s, when measured, wins."""
+def reward_phase(rl: RLConfig, reward: RewardConfig, timing: TimingConfig,
+                 per_response_s: float | None = None, run: str = "") -> RewardPhase:
+    """responses x latency (serial) vs. / concurrency; timing.reward_s, when measured, wins; else a run's
+    measured seconds per response (`per_response_s`, rlslurm/plan/calibration.py) over the step's responses."""
     n = rl.prompts_per_step * rl.samples_per_prompt
     count = f"{rl.prompts_per_step} prompts x {rl.samples_per_prompt} samples = {n} responses x {reward.latency_s:g} s"
     serial = Q("reward serial", n * reward.latency_s, "s", count)
     concurrent = Q("reward concurrent", n * reward.latency_s / reward.concurrency, "s",
                    f"{count} / reward.concurrency {reward.concurrency}")
-    used = (Q("reward phase", timing.reward_s, "s", "timing.reward_s, measured") if timing.reward_s is not None
-            else Q("reward phase", concurrent.value, "s", "concurrent, from reward.latency_s"))
+    if timing.reward_s is not None:
+        used = Q("reward phase", timing.reward_s, "s", "timing.reward_s, measured")
+    elif per_response_s is not None:
+        used = Q("reward phase", n * per_response_s, "s", f"{n} responses x {per_response_s:.3g} s (measured: {run})")
+    else:
+        used = Q("reward phase", concurrent.value, "s", "concurrent, from reward.latency_s")
     return RewardPhase(n, serial, concurrent, used)
 
 
@@ -102,10 +119,12 @@ class StepSplit:
     train_s: float
     sync_s: float
     offload_s: float
+    idle_s: float = 0.0
+    """Seconds outside the phases (experience broadcast, bookkeeping): 0 unless a run measured it."""
 
     @property
     def total_s(self) -> float:
-        return self.rollout_s + self.reward_s + self.train_s + self.sync_s + self.offload_s
+        return self.rollout_s + self.reward_s + self.train_s + self.sync_s + self.offload_s + self.idle_s
 
     def share_pct(self, seconds: float) -> float:
         return 100.0 * seconds / self.total_s if self.total_s else 0.0

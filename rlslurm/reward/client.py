@@ -32,7 +32,8 @@ from rlslurm import secret
 from rlslurm.errors import RewardServiceError
 from rlslurm.events import REWARD_DEGRADED, emit
 from rlslurm.reward.config import RewardConfig
-from rlslurm.reward.scorers import Item, ShardedHttp
+from rlslurm.reward.items import Item
+from rlslurm.reward.scorers import ShardedHttp
 from rlslurm.rundir import RunDir
 
 log = logging.getLogger(__name__)

@@ -27,6 +27,15 @@ DEFAULT_RUBRIC = (
 )
 
 
+DEFAULT_NAME = "compute_score"
+
+
+def split_spec(spec: str) -> tuple[Path, str]:
+    """("rewards.py", "compute_score") of reward.function = "rewards.py[:compute_score]"."""
+    path, _, name = spec.rpartition(":") if spec.rpartition(":")[0].endswith(".py") else (spec, "", "")
+    return Path(path), name or DEFAULT_NAME
+
+
 @dataclass(frozen=True, kw_only=True)
 class SandboxConfig:
     mode: Literal["auto", "root", "userns"] = "auto"
@@ -181,8 +190,6 @@ class RewardConfig:
                   "(FILE.py[:NAME], e.g. rewards.py:compute_score)")
         if self.function is not None:
             check_text(self.function, "function", 4096)
-            from rlslurm.reward.function import split_spec
-
             path, _ = split_spec(self.function)
             check(path.suffix == ".py" and path.is_file(), "function",
                   f"= {self.function!r}: {path} is not a .py file here ({Path.cwd()}); the form is FILE.py[:NAME]")

@@ -36,16 +36,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from rlslurm.errors import ConfigError
-from rlslurm.reward.scorers import Item, Scored
+from rlslurm.reward.config import DEFAULT_NAME, split_spec
+from rlslurm.reward.items import Item, Scored
 from rlslurm.reward.workers import WorkerFailed, WorkerPool
-
-DEFAULT_NAME = "compute_score"
-
-
-def split_spec(spec: str) -> tuple[Path, str]:
-    """("rewards.py", "compute_score") of "rewards.py[:compute_score]"."""
-    path, _, name = spec.rpartition(":") if spec.rpartition(":")[0].endswith(".py") else (spec, "", "")
-    return Path(path), name or DEFAULT_NAME
 
 
 def load_function(spec: str) -> tuple[Callable[..., Any], str]:

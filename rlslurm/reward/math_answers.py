@@ -2,6 +2,7 @@
 plain numbers (LaTeX, \\boxed{\\frac{1}{2}} against 0.5, \\pi/2, sqrt, sets, "7 apples").
 
     verify_scored("so \\\\boxed{\\\\frac{1}{2}}", "0.5", timeout_s=5)   # Scored(1.0, "math-verify: ...")
+    rule_score(response, reference)                    # the rule in this process: plain numbers, else the above
 
 Runs in a worker process (workers.py, `--math`), on its main thread: math-verify bounds its sympy work
 with signal.alarm(), which only works there (off the main thread it raises instead, unless its timeouts
@@ -19,8 +20,10 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 
-from rlslurm.reward.scorers import MAX_NUMBER_DIGITS, Scored, _short, extract_answer, gsm8k_final
+from rlslurm.reward.answers import MAX_NUMBER_DIGITS, extract_answer, gsm8k_final, rule_verdict
+from rlslurm.reward.items import Scored, short
 
 MAX_VERIFY_CHARS = 4000
 """Characters of a response's end math-verify reads: the final answer is there, and a regex pass over a
@@ -48,10 +51,10 @@ def verify_scored(response: str, reference: str, timeout_s: int | None) -> Score
         return _as_text(response, reference)
     answer = parse(text, parsing_timeout=timeout_s)
     if not answer:
-        return Scored(0.0, f"math-verify: no answer found (reference {_short(gold_text)})")
+        return Scored(0.0, f"math-verify: no answer found (reference {short(gold_text)})")
     same = verify(gold, answer, timeout_seconds=timeout_s)
-    return Scored(1.0 if same else 0.0, f"math-verify: answer {_short(str(answer[-1]))} {'==' if same else '!='} "
-                                        f"reference {_short(str(gold[-1]))}")
+    return Scored(1.0 if same else 0.0, f"math-verify: answer {short(str(answer[-1]))} {'==' if same else '!='} "
+                                        f"reference {short(str(gold[-1]))}")
 
 
 def _as_text(response: str, reference: str) -> Scored:
@@ -59,5 +62,19 @@ def _as_text(response: str, reference: str) -> Scored:
     if not answer:
         return Scored(0.0, "no answer found")
     same = "".join(answer.split()).lower() == "".join(reference.split()).lower()
-    return Scored(1.0 if same else 0.0, f"answer {_short(answer)} {'==' if same else '!='} reference "
-                                        f"{_short(reference)} (as text)")
+    return Scored(1.0 if same else 0.0, f"answer {short(answer)} {'==' if same else '!='} reference "
+                                        f"{short(reference)} (as text)")
+
+
+def rule_score(response: str, reference: str, format_regex: str | None = None) -> Scored:
+    """1.0 when the response's final answer equals the reference: as numbers where both are plain numbers,
+    else through math-verify in this process (its signal timeouts on the main thread only)."""
+    verdict = rule_verdict(response, reference, format_regex)
+    if verdict is not None:
+        return verdict
+    main = threading.current_thread() is threading.main_thread()
+    return verify_scored(response, reference, timeout_s=MATH_TIMEOUT_S if main else None)
+
+
+MATH_TIMEOUT_S = 5
+"""math-verify's own bound per parse and per comparison, seconds (signal.alarm: a worker's main thread)."""

@@ -22,10 +22,13 @@ from pathlib import Path
 
 import httpx
 
-from rlslurm import secret
+from rlslurm import safejson, secret
 from rlslurm.errors import ResponsesError
 from rlslurm.reward.config import RewardConfig
-from rlslurm.reward.scorers import Item
+from rlslurm.reward.items import Item
+
+MAX_LINE_CHARS = 64 << 20
+"""Longest line of a --responses file read (a response is a model's output: kilobytes)."""
 
 
 def read_responses(path: Path, rows: int, response_key: str = "responses") -> list[tuple[int, str]]:
@@ -38,14 +41,18 @@ def read_responses(path: Path, rows: int, response_key: str = "responses") -> li
         return read_generation_parquet(path, rows, response_key)
     out = []
     with path.open(encoding="utf-8", errors="replace") as f:
-        for n, line in enumerate(f, 1):
+        for n, line in enumerate(iter(lambda: f.readline(MAX_LINE_CHARS + 1), ""), 1):
+            where = f"{path}:{n}"
+            if len(line) > MAX_LINE_CHARS:
+                raise ResponsesError(f"{where}: a line over {MAX_LINE_CHARS} characters; no response is that long")
             if not line.strip():
                 continue
-            where = f"{path}:{n}"
             try:
-                record = json.loads(line)
+                record = safejson.loads(line)
             except json.JSONDecodeError as e:
                 raise ResponsesError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
+            except safejson.JSONLimitError as e:  # a RecursionError or ValueError traceback before issue 37
+                raise ResponsesError(f"{where}: the line {e}") from None
             if not isinstance(record, dict):
                 raise ResponsesError(f"{where}: a {type(record).__name__}, not an object with row and response")
             row, response = record.get("row"), record.get("response")

@@ -20,7 +20,8 @@ model  POST {endpoint} {"prompt", "response"} -> {"score": x} (a reward-model se
 judge  an OpenAI-compatible chat endpoint with the rubric as system prompt; its reply must carry
        `SCORE: x`. A reply without one is a parse failure: counted, and the item comes back unscored.
 
-A scorer raises ScorerUnavailable when its upstream (RM, judge) fails: the item is retryable.
+A scorer raises ScorerUnavailable when its upstream (RM, judge) fails: the item is retryable. The types they
+share are in items.py, the rule's answer parsing in answers.py and math_answers.py.
 """
 
 from __future__ import annotations
@@ -30,153 +31,21 @@ import logging
 import os
 import re
 import secrets
-import threading
 from dataclasses import dataclass, field
-from fractions import Fraction
-from typing import Protocol
 
 import httpx
 
+from rlslurm.reward.answers import rule_verdict
 from rlslurm.reward.config import RewardConfig
+from rlslurm.reward.items import MAX_REASON_CHARS, Item, Scored, Scorer, ScorerUnavailable, Verdict
+from rlslurm.reward.math_answers import MATH_TIMEOUT_S, rule_score
 from rlslurm.reward.sandbox import Sandbox
 from rlslurm.reward.workers import WorkerFailed, WorkerPool
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Item:
-    """One response to score, with what its scorer needs (a reference answer, or unit tests)."""
-
-    id: str
-    response: str
-    prompt: str = ""
-    reference: str = ""
-    """The row's ground truth as text (a non-text ground truth is JSON-encoded by whoever builds the item)."""
-    reference_is_json: bool = False
-    """The reference is JSON of a non-text ground truth (a list, dict or number): a reward function gets it
-    decoded (function.py); text references are never parsed."""
-    tests: str = ""
-    """A code problem's tests (HumanEval's `test`: defines check(candidate))."""
-    entry_point: str = ""
-    """HumanEval's entry point: the tests end with check(<entry_point>) when it is set."""
-    data_source: str = ""
-    """verl's data_source column: the first argument of a compute_score function."""
-    extra: str = ""
-    """The row's other columns as a JSON object (verl's extra_info; TRL's reward-function keyword arguments)."""
-
-
-@dataclass(frozen=True)
-class Scored:
-    """A reward (rule, code, judge: in [0, 1]; a user's function: any finite number), or None when the
-    scorer could not decide (a judge parse failure, a function that raised)."""
-
-    score: float | None
-    reason: str
-
-
-class ScorerUnavailable(Exception):
-    """The scorer's upstream failed (connection, HTTP error): retrying the item may succeed."""
-
-
-class Scorer(Protocol):
-    async def score(self, item: Item) -> Scored: ...
-
-
 # ---------------------------------------------------------------- rule
-
-_GSM8K = re.compile(r"####\s*([^\n]+)")
-
-
-def gsm8k_final(text: str) -> str:
-    """What follows the last `####` (GSM8K's final answer line), else `text`."""
-    found = _GSM8K.findall(text)
-    return found[-1].strip() if found else text
-
-
-_BOXED = re.compile(r"\\boxed\{([^{}]*(?:\{[^{}]*\}[^{}]*)*)\}")
-_ANSWER_IS = re.compile(r"(?:answer\s*(?:is|:|=)|####)\s*([^\n]+)", re.IGNORECASE)
-_NUMBER = re.compile(r"[-+]?(?:\d[\d,]*)?\.?\d+(?:[eE][-+]?\d+)?(?:\s*/\s*\d+)?")
-
-
-def extract_answer(response: str) -> str | None:
-    """The final answer a response commits to; None when it names none."""
-    for pattern in (_BOXED, _ANSWER_IS):
-        found = pattern.findall(response)
-        if found:
-            return found[-1].strip()
-    # Spaces between digits are tokenisation, not separators: "1 9" is the answer 19.
-    numbers = _NUMBER.findall(re.sub(r"(?<=\d)\s+(?=\d)", "", response))
-    return numbers[-1] if numbers else None
-
-
-MAX_NUMBER_DIGITS = 400
-"""Digits a number may have to be compared as a number (a fraction counts both parts)."""
-MAX_EXPONENT = 400
-"""Largest |exponent| of a number compared as a number: 10**400 is instant, 10**(10**9) takes minutes."""
-_EXPONENT = re.compile(r"[eE]([-+]?\d+)")
-
-
-def normalise_number(text: str) -> Fraction | None:
-    """`text` as an exact number ("1,000", " -3.50 ", "$12", "1/2", "50%", "1e3"), or None; None too for
-    one too large to handle in bounded time (MAX_NUMBER_DIGITS, MAX_EXPONENT)."""
-    s = "".join(text.split()).rstrip(".").removeprefix("$").replace("\\$", "")
-    percent = s.endswith("%")
-    s = s.removesuffix("%")
-    if re.fullmatch(r"[-+]?\d{1,3}(,\d{3})+(\.\d+)?", s):
-        s = s.replace(",", "")
-    exponent = _EXPONENT.search(s)
-    # Digits first: they bound the exponent's own digits too, so int() of it is cheap.
-    if sum(c.isdigit() for c in s) > MAX_NUMBER_DIGITS or (exponent and abs(int(exponent.group(1))) > MAX_EXPONENT):
-        return None
-    try:
-        value = Fraction(s)
-    except (ValueError, ZeroDivisionError):
-        return None
-    return value / 100 if percent else value
-
-
-def rule_verdict(response: str, reference: str, format_regex: str | None = None) -> Scored | None:
-    """The rule's score when the format gate or plain numbers decide it; None when math-verify must."""
-    if format_regex is not None and not re.search(format_regex, response):
-        return Scored(0.0, "format: response does not match reward.format_regex")
-    answer = extract_answer(response)
-    # GSM8K's answer column is the worked solution ending in "#### 72": its final answer is the reference.
-    reference = gsm8k_final(reference)
-    want = normalise_number(reference)
-    if answer is None and want is not None:
-        return Scored(0.0, "no answer found")
-    got = normalise_number(answer) if answer is not None else None
-    if got is None or want is None:
-        return None
-    if "\\" in response and not (_BOXED.search(response) or _ANSWER_IS.search(response)):
-        # The last number of LaTeX is no answer ("$\frac{72}{2}$" ends in 2): math-verify reads the expression.
-        return None
-    same = got == want
-    return Scored(1.0 if same else 0.0, f"answer {_short(answer)} {'==' if same else '!='} reference "
-                                        f"{_short(reference)}")
-
-
-def rule_score(response: str, reference: str, format_regex: str | None = None) -> Scored:
-    """1.0 when the response's final answer equals the reference: as numbers where both are plain numbers,
-    else through math-verify in this process (its signal timeouts on the main thread only)."""
-    verdict = rule_verdict(response, reference, format_regex)
-    if verdict is not None:
-        return verdict
-    from rlslurm.reward.math_answers import verify_scored
-
-    main = threading.current_thread() is threading.main_thread()
-    return verify_scored(response, reference, timeout_s=MATH_TIMEOUT_S if main else None)
-
-
-MATH_TIMEOUT_S = 5
-"""math-verify's own bound per parse and per comparison, seconds (signal.alarm: a worker's main thread)."""
-
-
-def _short(text: str, chars: int = 80) -> str:
-    """repr of `text`, cut to about `chars` characters: a reason must not echo a whole response."""
-    return repr(text) if len(text) <= chars else repr(text[:chars]) + f"... ({len(text)} chars)"
-
 
 @dataclass
 class RuleScorer:
@@ -359,20 +228,6 @@ class JudgeScorer:
             self.parse_failures += 1
             return Scored(None, f"judge parse failure: no SCORE in [0, {self.max_score:g}] in {text[:120]!r}")
         return Scored(value, "judge")
-
-
-MAX_REASON_CHARS = 300
-"""A verdict's `reason` is cut to this: it must not echo a response of any size back."""
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """One item's outcome as the service answers it: scored (a number), unscored (the scorer decided it cannot
-    score: a function that raised, a judge reply without a mark) or error (timeout, upstream down: retryable)."""
-
-    score: float | None
-    status: str
-    reason: str
 
 
 async def score_bounded(scorer: Scorer, item: Item, timeout_s: float) -> Verdict:

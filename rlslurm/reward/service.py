@@ -13,7 +13,7 @@ Trust (rlslurm/wire.py): /score and /metrics need `Authorization: Bearer <the jo
 without); `reward.open_data_plane` opens /score. A body is strict and bounded: at most
 `reward.max_items_per_request` items (400 past it), an item over `reward.max_item_bytes` comes back
 unscored without reaching its scorer; each item is scored within `reward.timeout_s` (then `error`);
-a `reason` is cut to scorers.MAX_REASON_CHARS.
+a `reason` is cut to items.MAX_REASON_CHARS.
 
 Items of one batch, and of all batches in flight, are scored at once up to `reward.concurrency`
 (an asyncio semaphore): a 2 s judge scores 512 responses at concurrency 64 in ~16 s, not 1024 s.
@@ -42,12 +42,13 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from rlslurm import lifetime, secret, wire
+from rlslurm import connguard, lifetime, secret, wire
 from rlslurm.configfile import load_mapping, read_yaml
 from rlslurm.diag.config import DiagConfig
 from rlslurm.diag.guard import PhaseGuard
 from rlslurm.reward.config import RewardConfig
-from rlslurm.reward.scorers import CodeScorer, Item, JudgeScorer, ShardedHttp, close_scorer, make_scorer, score_bounded
+from rlslurm.reward.items import Item
+from rlslurm.reward.scorers import CodeScorer, JudgeScorer, ShardedHttp, close_scorer, make_scorer, score_bounded
 from rlslurm.reward.workers import WorkerFailed
 
 log = logging.getLogger(__name__)
@@ -273,6 +274,10 @@ def main(port: int, host: str, secret_file: str | None, config_path: str | None,
     """Serve /health, /score and /metrics until killed."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s reward-service %(levelname)s %(message)s")
     lifetime.bind_to_parent()  # its own session (for its sandboxes' group), yet it ends with its supervisor
+    # SLURM's signals to the step reach it all the same (measured: proctrack/linuxproc signals the step's process
+    # tree): USR1, the drain's (`scancel -s USR1`, --signal=USR1@N), is the trainer's business, and its default
+    # action ended the service at every such drain.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     token = secret.from_env_or(secret_file)
     cfg = load_reward_config(config_path, scorer=scorer, endpoint=endpoint, concurrency=concurrency)
     guard = None
@@ -287,7 +292,7 @@ def main(port: int, host: str, secret_file: str | None, config_path: str | None,
     try:
         # The backlog must take a whole step's burst of connections from the client at once.
         uvicorn.run(make_app(cfg, token, guard), host=host, port=port, log_level="warning",
-                    backlog=max(2048, cfg.concurrency * 4))
+                    backlog=max(2048, cfg.concurrency * 4), http=connguard.protocol(token))
     finally:
         if guard is not None:
             guard.close()

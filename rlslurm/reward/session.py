@@ -42,7 +42,7 @@ from rlslurm.diag.config import DiagConfig
 from rlslurm.errors import RewardServiceError
 from rlslurm.reward.client import Outcome, RewardClient, StepScores
 from rlslurm.reward.config import RewardConfig
-from rlslurm.reward.scorers import Item
+from rlslurm.reward.items import Item
 from rlslurm.reward.supervisor import RewardSupervisor
 from rlslurm.rundir import JsonlTail, RunDir
 

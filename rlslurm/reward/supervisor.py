@@ -12,8 +12,12 @@ fails `unhealthy_after` health checks in a row (hung, stopped) is killed and res
 `reward_service_unhealthy`); each new process writes `reward_service_restarted`. Past `max_restarts`
 it gives up (event `reward_service_down`: restarts, the budget, the service's log) and `failed` is set.
 `stop()` asks the service to exit (SIGTERM: its heartbeat ends `exited`), then kills its process group.
-The service is in a session of its own (that group), so SLURM's process tracking does not follow it:
-it ends itself when this process is gone (rlslurm/lifetime.py), a SIGKILLed trainer rank 0 included.
+The service is in a session of its own (that group); SLURM's signals to the step still reach it (measured on
+22.05 with proctrack/linuxproc: USR1, a suspend's SIGTSTP and SIGSTOP, a requeue's SIGTERM reach every process
+of the step's tree), so a suspend stops it with the ranks, and a SIGTERM ends it cleanly: a service that exits
+0 was stopped that way and is not a death to restart (issue 38: every drain on SIGTERM said
+`reward_service_died`, exit code 0; `stopping()` says so too, from the owner's SIGTERM handler). It ends
+itself when this process is gone (rlslurm/lifetime.py), a SIGKILLed trainer rank 0 included.
 
 With a run directory the service wears the phase guard (heartbeats/reward-0.json, see service.py) and
 requires the run's secret (<run>/secret; without a run, a secret file of its own beside its log, mode
@@ -49,6 +53,9 @@ from rlslurm.reward.config import RewardConfig
 from rlslurm.rundir import RunDir
 
 log = logging.getLogger(__name__)
+
+STOPPING_GRACE_S = 2.0
+"""Seconds a service that stopped answering /health is given to exit by itself before it counts as hung."""
 
 
 def free_port() -> int:
@@ -106,6 +113,10 @@ class RewardSupervisor:
         self._thread = threading.Thread(target=self._monitor, name="reward-supervisor", daemon=True)
         self._thread.start()
 
+    def stopping(self) -> None:
+        """The service is being stopped from outside (SLURM's SIGTERM reaches it too): no more restarts."""
+        self._stop.set()
+
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
@@ -150,6 +161,15 @@ class RewardSupervisor:
                 return False
         return True
 
+    def _exits_within(self, timeout_s: float) -> bool:
+        """Whether the service exits by itself within `timeout_s` (a clean shutdown stops answering /health
+        before it exits: not a hang to kill)."""
+        try:
+            self.proc.wait(timeout=timeout_s)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+
     def _kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             try:
@@ -182,6 +202,12 @@ class RewardSupervisor:
         failures = 0
         while not self._stop.wait(self.cfg.health_interval_s):
             code = self.proc.poll()
+            if code is not None and (code == 0 or self._stop.is_set()):
+                # Exit 0 is uvicorn's clean shutdown on SIGTERM: SLURM stopping the step (every drain on SIGTERM
+                # said `reward_service_died` with exit code 0 before, issue 38), not a death to restart.
+                log.info("reward service (pid %d) exited %d: stopped from outside, not restarted", self.proc.pid,
+                         code)
+                return
             if code is not None:
                 self._event(events.REWARD_SERVICE_DIED, pid=self.proc.pid, exit_code=code)
                 failures = 0
@@ -193,6 +219,8 @@ class RewardSupervisor:
                 continue
             failures += 1
             log.warning("reward service health check failed (%d of %d)", failures, self.cfg.unhealthy_after)
+            if failures >= self.cfg.unhealthy_after and self._exits_within(STOPPING_GRACE_S):
+                continue  # it was shutting down (a SIGTERM from outside): the poll above says how it ended
             if failures >= self.cfg.unhealthy_after:
                 self._event(events.REWARD_SERVICE_UNHEALTHY, pid=self.proc.pid, failed_checks=failures)
                 failures = 0

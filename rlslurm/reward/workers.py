@@ -4,8 +4,8 @@
     reply = await pool.call({"data_source": "gsm8k", ...})     # {"score": x | None, "reason": "..."}
     await pool.close()
 
-    python -m rlslurm.reward.workers --function FILE.py:NAME    # one worker (the pool starts it)
-    python -m rlslurm.reward.workers --math                     # math-verify (rule scorer, math_answers.py)
+    python -m rlslurm.reward.worker --function FILE.py:NAME     # one worker (the pool starts it: worker.py)
+    python -m rlslurm.reward.worker --math                      # math-verify (rule scorer, math_answers.py)
 
 Why processes: a user's reward function (reward.scorer: function) or a sympy parse (math-verify) can run
 forever, and Python cannot stop a thread; one stuck in the service's thread pool would hold it until
@@ -30,7 +30,6 @@ import json
 import os
 import signal
 import sys
-import time
 from typing import Any
 
 from rlslurm import lifetime
@@ -62,8 +61,11 @@ class _Worker:
 class WorkerPool:
     """Up to `size` workers of one kind, each doing one call at a time; callers queue for an idle one."""
 
-    def __init__(self, args: list[str], size: int, what: str):
-        self.args, self.size, self.what = list(args), size, what
+    def __init__(self, args: list[str], size: int, what: str, *, module: str = "rlslurm.reward.worker",
+                 stderr=None):
+        # module: the worker's entry (rlslurm/tools/worker.py for a user's tool); stderr: where what the user's
+        # code prints goes (None: this process's stderr)
+        self.args, self.size, self.what, self.module, self.stderr = list(args), size, what, module, stderr
         self._idle: asyncio.Queue | None = None
         self._all: set[_Worker] = set()
         self._reaping: set[asyncio.Future] = set()
@@ -81,8 +83,8 @@ class WorkerPool:
     async def _spawn(self) -> _Worker:
         env = {**os.environ, **lifetime.child_env()}
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "rlslurm.reward.workers", *self.args, stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE, env=env, start_new_session=True, limit=LINE_LIMIT)
+            sys.executable, "-m", self.module, *self.args, stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE, stderr=self.stderr, env=env, start_new_session=True, limit=LINE_LIMIT)
         worker = _Worker(proc)
         self._all.add(worker)
         try:
@@ -144,6 +146,7 @@ class WorkerPool:
             line = await worker.proc.stdout.readline()
             if not line:
                 code = await worker.proc.wait()
+                _say_died(self.what, worker.proc.pid, code)
                 raise WorkerFailed(f"{self.what} worker pid {worker.proc.pid} died while scoring (exit {code})")
             reply = json.loads(line)
         except BaseException:
@@ -163,81 +166,15 @@ class WorkerPool:
             await asyncio.wait(self._reaping, timeout=5.0)
 
 
-# ---------------------------------------------------------------- the worker's side
+def _say_died(what: str, pid: int, code: int | None) -> None:
+    """Event `reward_worker_died` in the job's run directory (the service's RLSLURM_RUN_DIR), so `rlslurm diag`
+    can tell; nothing off a job (`rlslurm score`). Best effort: a death is already the call's WorkerFailed."""
+    from rlslurm import events
+    from rlslurm.rundir import ENV_VAR, RunDir
 
-
-def _score_of(value: Any, name: str) -> dict[str, Any]:
-    """A reward function's return value as {"score", "reason"}: a finite number (bool and int too), or a dict
-    holding one under "score" (its other keys go into the reason, as verl logs them); anything else is no
-    score, and the reason says what came back."""
-    import math
-    import numbers
-
-    extra = ""
-    if isinstance(value, dict):
-        if "score" not in value:
-            return {"score": None, "reason": f"{name} returned a dict without 'score' (keys {sorted(value)[:8]})"}
-        extra = ", ".join(f"{k}={v!r}" for k, v in value.items() if k != "score")
-        value = value["score"]
-    # numbers.Real covers bool, int, float and numpy's floats; __float__ numpy's bool_ and a 0-d tensor.
-    try:
-        if not isinstance(value, numbers.Real) and (isinstance(value, (str, bytes)) or not hasattr(value, "__float__")):
-            raise TypeError
-        score = float(value)
-    except Exception:  # a user's object whose __float__ raises (a tensor of many elements): no number
-        return {"score": None, "reason": f"{name} returned {type(value).__name__} {value!r:.80}, not a number"}
-    if not math.isfinite(score):
-        return {"score": None, "reason": f"{name} returned {score}, not a finite number"}
-    return {"score": score, "reason": (f"{name}" + (f": {extra}" if extra else ""))[:REASON_CHARS]}
-
-
-def _function_handler(spec: str):
-    from rlslurm.reward.function import load_function
-
-    fn, name = load_function(spec)
-
-    def handle(request: dict) -> dict:
-        # Trusted code: the user's own reward (as in verl), run as the service's uid with no sandbox; model
-        # written code never comes here (reward.scorer: code runs it in the sandbox).
+    if os.environ.get(ENV_VAR):
         try:
-            value = fn(request["data_source"], request["solution_str"], request["ground_truth"],
-                       extra_info=request["extra_info"])
-        except BaseException as e:  # SystemExit too: one item's failure, never the worker's
-            return {"score": None, "reason": f"{name} raised {type(e).__name__}: {e}"[:REASON_CHARS]}
-        return _score_of(value, name)
-
-    return handle
-
-
-def _math_handler():
-    from rlslurm.reward.math_answers import verify_scored
-
-    def handle(request: dict) -> dict:
-        scored = verify_scored(request["response"], request["reference"], timeout_s=request.get("timeout_s", 5))
-        return {"score": scored.score, "reason": scored.reason[:REASON_CHARS]}
-
-    return handle
-
-
-def serve(argv: list[str]) -> None:
-    """One worker: import, say ready, then answer requests until stdin closes."""
-    lifetime.bind_to_parent(signal.SIGKILL)
-    replies = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)  # the user's print() goes to the service's log, never into a reply
-    sys.stdout = sys.stderr
-    try:
-        handle = _function_handler(argv[1]) if argv[0] == "--function" else _math_handler()
-    except Exception as e:
-        replies.write(json.dumps({"error": f"{type(e).__name__}: {e}"[:1000]}) + "\n")
-        return
-    replies.write(json.dumps({"ready": True, "pid": os.getpid(), "started": time.time()}) + "\n")
-    for line in sys.stdin:
-        try:
-            reply = handle(json.loads(line))
-        except Exception as e:  # a malformed request: answer, keep serving
-            reply = {"score": None, "reason": f"worker error {type(e).__name__}: {e}"[:REASON_CHARS]}
-        replies.write(json.dumps(reply) + "\n")
-
-
-if __name__ == "__main__":
-    serve(sys.argv[1:])
+            events.emit(RunDir.from_env(), events.REWARD_WORKER_DIED, role="reward", rank=0, what=what,
+                        worker_pid=pid, exit_code=code)
+        except OSError as e:
+            print(f"reward_worker_died not written: {e}", file=sys.stderr)

@@ -13,6 +13,9 @@ mini-batch, not a mean of per-rank or per-micro-batch means) and on the number o
 a collective: a mini-batch no rank has a sample in is skipped by all of them, one a rank has none of is
 joined by that rank with a zero-weight row (DDP's all-reduce and Megatron's distributed optimizer are
 collective, so every rank must take every step).
+
+`behaviour_forward(mini_batches)` says whether an update runs a no-grad forward of its samples before the first
+optimizer step (both policies, and the plan's train_seconds, follow it).
 """
 
 from __future__ import annotations

@@ -19,7 +19,6 @@ unchanged).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -38,14 +37,16 @@ from rlslurm.diag.env_diff import compare, read_fingerprints
 from rlslurm.diag.guard import PhaseGuard
 from rlslurm.errors import RlslurmError
 from rlslurm.layout import JobLayout
-from rlslurm.reward.config import RewardConfig
 from rlslurm.reward.items import item_for
+from rlslurm.rl import early
 from rlslurm.rl.draw import PromptStream, StepPrompts
-from rlslurm.rl.engines import Engines
-from rlslurm.rl.experience import Experience, GroupAssembler, choice_id
+from rlslurm.rl.dynamic import Round, drawn_of, fill, merge
+from rlslurm.rl.episodes import episode_stats, report_tool_errors
+from rlslurm.rl.experience import Advantages, Experience, GroupAssembler, choice_id
 from rlslurm.rl.pipeline import THREADED_ENV, ExperiencePipeline, stamp_staleness
+from rlslurm.rl.scoring import InlineScorer, open_reward_session, reward_config
 from rlslurm.rundir import RunDir
-from rlslurm.tasks.arithmetic import ANSWER_FORMAT, parse_prompt
+from rlslurm.tasks.arithmetic import parse_prompt
 from rlslurm.tasks.prompts import PromptFormat
 
 log = logging.getLogger(__name__)
@@ -58,35 +59,6 @@ def sync_host() -> str:
 
     node = os.environ.get("SLURMD_NODENAME")
     return node_address(node) if node else "127.0.0.1"
-
-
-def reward_config(job: JobConfig) -> RewardConfig:
-    """job.reward as the service must score this job: for the arithmetic task the rule scorer also checks the
-    task's one answer form (ANSWER_FORMAT), unless reward.format_regex names another, so it scores as `score`
-    does; a user's rows are scored as configured."""
-    if job.reward.scorer == "rule" and job.reward.format_regex is None and job.data.train is None:
-        return dataclasses.replace(job.reward, format_regex=ANSWER_FORMAT)
-    return job.reward
-
-
-def open_reward_session(job: JobConfig, layout: JobLayout, run: RunDir):
-    """None for reward.service = inline (the controller scores); else the service's session: the reward
-    component's (announced in <run>/endpoints/reward.json) on SLURM, else a supervised one started here
-    (off SLURM there is no reward component: `component` runs the same service beside the controller)."""
-    if job.reward.service == "inline":
-        return None
-    from rlslurm.reward.session import RewardSession
-
-    return RewardSession.open(reward_config(job), run, diag=job.diag, component=layout.reward_from_component,
-                              env=reward_env(job))
-
-
-def reward_env(job: JobConfig) -> dict[str, str]:
-    """What the reward service's launcher adds to its environment: the job's network environment, no GPU."""
-    from rlslurm.devices import CVD
-    from rlslurm.network import network_env
-
-    return {**network_env(job.network), CVD: ""}
 
 
 class Controller:
@@ -109,22 +81,25 @@ class Controller:
         self.train_set, self.held_out = load_splits(job)
         self.stream = PromptStream(self.train_set, per_step=job.rl.prompts_per_step, seed=job.train.seed,
                                    max_bad_share=job.data.max_bad_share)
+        self.advantages = Advantages.of(job)  # rl.baseline, rl.overlong
         # Placement, engines and sync method as the plan decided them at submit, never re-derived here.
         self.layout = JobLayout.read(run)
-        self.engines = Engines(job, self.layout, run, model_dir)
+        self.engines = early.take_engines(job, self.layout, run, model_dir)  # started with the rank, where they can
         self.transport = transport_for(self.layout.sync_method, job.sync, weights_dir=run.path / "weights",
                                        host=sync_host())
         self.sync = WeightSync(self.engines.clients, self.transport, job.sync, run=run)
-        self.rewards = self.inline = None
+        self.rewards = self.inline = self.episodes = None
         self.pipeline: ExperiencePipeline | None = None  # from the first step on (start_experience)
         self.current_weights = None
         """Rank 0's policy weights now (the loop sets it: Policy.weights): what a lone engine's replacement is
         synced to in the middle of a rollout (`_bring_back`)."""
         try:
+            if job.rollout.episodes:  # multi-turn episodes with tools (rlslurm/rl/episodes.py)
+                from rlslurm.rl.episodes import Episodes
+
+                self.episodes = Episodes.start(job, tokenizer, model_dir, run)
             self.rewards = open_reward_session(job, self.layout, run)
             if self.rewards is None and self.data:
-                from rlslurm.rl.scoring import InlineScorer
-
                 self.inline = InlineScorer(reward_config(job))
         except BaseException:
             self.close()  # the engines it spawned must not outlive a controller that never started
@@ -138,6 +113,8 @@ class Controller:
             self.rewards.close()
         if getattr(self, "inline", None) is not None:
             self.inline.close()
+        if getattr(self, "episodes", None) is not None:
+            self.episodes.close()
         self.transport.close()
         self.engines.stop()
         if pipeline is not None:
@@ -160,7 +137,7 @@ class Controller:
         return self.stream.state(step)
 
     def rollout(self, problems: list[Sample], step: int, guard: PhaseGuard,
-                on_choices=None, stats: dict | None = None) -> tuple[list[dict], list[float]]:
+                on_choices=None, stats: dict | None = None, round_: int = 0) -> tuple[list[dict], list[float]]:
         """k samples per prompt from the engines in rotation, all asked at once (a step's rollout takes the
         slowest engine's time, not their sum); prompts split across engines in a fixed order. `on_choices(batch)`
         gets each engine's responses in this thread as they arrive, so the reward service scores them
@@ -170,20 +147,21 @@ class Controller:
         Failover: a request that fails (refused, reset, timed out, an HTTP error, an answer from a replaced
         engine) takes its engine out of rotation (Engines.take_out) and its prompts go to the engines left,
         with seeds of their own; the step completes with every sample it asked for. No engine left: the
-        last error is raised, and the job fails naming that engine (engine_failed), as before."""
+        last error is raised, and the job fails naming that engine (engine_failed), as before. `round_`: the
+        step's round of prompts (rl.dynamic_sampling draws more than one), seeded apart."""
         from rlslurm.rollout.client import EngineRequestError
 
         cfg, k, engines = self.job.rollout, self.job.rl.samples_per_prompt, self.engines
         engines.check_down()
-        texts = [self.format.text(p.prompt) for p in problems]
 
         def ask(i: int, share: list[int], attempt: int) -> tuple[dict, float]:
             t = time.monotonic()
             # The first attempt's seed is (seed, step, engine) as before failover existed: runs without a
             # failure sample what they sampled then.
-            out = engines.clients[i].completions([texts[j] for j in share], n=k, max_tokens=cfg.max_new_tokens,
-                                                 temperature=cfg.temperature,
-                                                 seed=self.job.train.seed * 7919 + step * 31 + i + 1_000_003 * attempt)
+            out = self._complete(engines.clients[i], [problems[j] for j in share], n=k, max_tokens=cfg.max_new_tokens,
+                                 temperature=cfg.temperature,
+                                 seed=self.job.train.seed * 7919 + step * 31 + i + 1_000_003 * attempt
+                                 + 15_485_863 * round_)
             return out, time.monotonic() - t
 
         choices: list[dict] = []
@@ -228,6 +206,12 @@ class Controller:
             stats["prompts_resent"] = resent
         return sorted(choices, key=lambda c: (c["prompt_index"], c["index"])), engine_s
 
+    def _complete(self, client, samples: list[Sample], **kwargs) -> dict:
+        """An engine's answer to `samples`: single responses to their text, or multi-turn episodes with tools."""
+        if self.episodes is not None:
+            return self.episodes.complete(client, samples, **kwargs)
+        return client.completions([self.format.text(s.prompt) for s in samples], **kwargs)
+
     def _bring_back(self, step: int) -> bool:
         """No engine left in rotation mid-rollout (one engine, the default, killed or hung): while the trainer
         waits, the supervisor's replacement is awaited (rollout.request_timeout_s, Engines.returning), synced
@@ -268,11 +252,11 @@ class Controller:
         """One response as the reward service scores it: a user's row through item_for (its reference, tests,
         data_source, extra columns); a task prompt as normalised text (task.answer = lenient: the integer it
         states) against the task's answer."""
-        from rlslurm.reward.scorers import Item
+        from rlslurm.reward.items import Item
 
         sample = problems[choice["prompt_index"]]
         if self.data:
-            return item_for(sample, choice["text"], choice_id(choice))
+            return item_for(sample, choice["text"], choice_id(choice), messages=choice.get("messages"))
         return Item(id=choice_id(choice), response=self.format.answer_text(choice["text"]), prompt=sample.prompt,
                     reference=sample.reference)
 
@@ -295,7 +279,7 @@ class Controller:
             m, exp = int(entry["step"]), Experience.from_json(entry["experience"])
             if m >= step and max((version + m - step - v for v in exp.response_versions), default=0) <= k:
                 buffered[m] = exp
-                self.stream.restored(m, exp.stats.get("data_bad_rows", 0))
+                self.stream.restored(m, exp.stats.get("data_bad_rows", 0), exp.stats.get("data_rows_drawn"))
         self.pipeline = ExperiencePipeline(self._rollout_step, self._finish_step, max_staleness=k,
                                            first_step=step, last_step=self.job.train.steps, buffered=buffered,
                                            threaded=os.environ.get(THREADED_ENV) == "1" or None).start()
@@ -397,14 +381,28 @@ class Controller:
             rl_state["experience_buffer"] = [e for e in rl_state["experience_buffer"] if e["step"] != step]
 
     def _rollout_step(self, step: int, guard) -> dict:
-        """Step `step`'s prompts through the engines. Each engine's responses are scored as they arrive (the
-        rule right here, or the service's requests meanwhile) and a prompt's group gets its advantages as
-        soon as its last reward lands (GroupAssembler); `_finish_step` waits for what is still open."""
+        """Step `step`'s prompts through the engines: one round, or with rl.dynamic_sampling rounds until the
+        step is full (rlslurm/rl/dynamic.py). `_finish_step` waits for the rewards still open."""
+        t, rl = time.monotonic(), self.job.rl
         with guard.phase("data", step=step):
             drawn = self.prompts(step)
+        rounds = [self._round(step, drawn, 0, guard)]
+        if rl.dynamic_sampling:
+            def next_round(index: int, count: int) -> Round:
+                with guard.phase("data", step=step):
+                    more = self.stream.draw_more(step, count)
+                return self._round(step, more, index, guard)
+
+            rounds = fill(rounds[0], per_step=rl.prompts_per_step, max_rounds=rl.dynamic_sampling_max_rounds,
+                          next_round=next_round, guard=guard)
+        return {"step": step, "rounds": rounds, "rollout_s": time.monotonic() - t}
+
+    def _round(self, step: int, drawn: StepPrompts, index: int, guard) -> Round:
+        """One round's prompts through the engines. Each engine's responses are scored as they arrive (the
+        rule right here, or the service's requests meanwhile) and a prompt's group gets its advantages as
+        soon as its last reward lands (GroupAssembler)."""
         problems = drawn.samples
-        assembler = GroupAssembler(problems, self.job.rl.samples_per_prompt,
-                                   self.format.encode)
+        assembler = GroupAssembler(problems, self.job.rl.samples_per_prompt, self.format.encode, self.advantages)
         scoring = self.rewards.begin(step) if self.rewards is not None else None
 
         def arrived(batch: list[dict]) -> None:
@@ -415,37 +413,27 @@ class Controller:
                 scoring.submit([self.reward_item(problems, c) for c in batch],
                                on_outcomes=lambda outcomes: assembler.add_rewards({o.id: o.score for o in outcomes}))
 
-        t, failover = time.monotonic(), {}
+        failover: dict = {}
         with guard.phase("rollout", step=step):
-            choices, engine_s = self.rollout(problems, step, guard, on_choices=arrived, stats=failover)
-        return {"step": step, "choices": choices, "assembler": assembler, "scoring": scoring, "drawn": drawn,
-                "rollout_s": time.monotonic() - t, "rollout_engine_s": engine_s, **failover}
+            choices, engine_s = self.rollout(problems, step, guard, on_choices=arrived, stats=failover, round_=index)
+        return Round(drawn, assembler, scoring, choices, engine_s, failover.get("prompts_resent", 0))
 
     def _finish_step(self, flight: dict, guard) -> Experience:
         """The rest of a step: the rewards the rollout did not hide, the last groups' advantages, stats."""
-        step, choices, assembler = flight["step"], flight["choices"], flight["assembler"]
+        step, rounds, rl = flight["step"], flight["rounds"], self.job.rl
         t = time.monotonic()
         with guard.phase("reward", step=step):
-            reward_stats = {"reward_degraded": 0, "reward_degraded_ratio": 0.0, "reward_dropped": 0,
-                            "reward_restarts": 0}
-            if flight["scoring"] is not None:
-                outcomes, reward_stats = flight["scoring"].finish(guard)
-                assembler.add_rewards({o.id: o.score for o in outcomes})  # any a callback has not handed over
+            for r in rounds:
+                r.finish(guard)
         reward_s = time.monotonic() - t
         with guard.phase("advantage", step=step):
-            samples, dropped = assembler.samples()
-        rewards = assembler.rewards()
-        versions: dict[int, int] = {}
-        for c in choices:
-            versions[int(c["policy_version"])] = versions.get(int(c["policy_version"]), 0) + 1
-        tokens = sum(len(c["token_ids"]) for c in choices)
-        scored = [r for r in rewards if r is not None]
-        stats = {"rollout_s": flight["rollout_s"], "rollout_engine_s": flight["rollout_engine_s"], "reward_s": reward_s,
-                 "reward_mean": sum(scored) / max(len(scored), 1), "samples": len(choices),
-                 "effective_samples": len(samples), "zero_variance_groups": dropped, "generated_tokens": tokens,
-                 "tokens_per_s": tokens / max(flight["rollout_s"], 1e-9), **reward_stats,
-                 "prompts_resent": flight.get("prompts_resent", 0), **self.engines.metrics(),
-                 **self._data_stats(step, flight["drawn"])}
+            samples, versions, merged = merge(rounds, per_step=rl.prompts_per_step, dynamic=rl.dynamic_sampling)
+        drawn = drawn_of(rounds)
+        episodes = episode_stats([c for r in rounds for c in r.choices])
+        report_tool_errors(self.run, step, episodes)
+        stats = {"rollout_s": flight["rollout_s"], "reward_s": reward_s, **merged,
+                 "tokens_per_s": merged["generated_tokens"] / max(flight["rollout_s"], 1e-9),
+                 **self.engines.metrics(), **episodes, **self._data_stats(step, drawn)}
         return Experience(samples, stats, versions)
 
     def _data_stats(self, step: int, drawn: StepPrompts) -> dict:
@@ -468,16 +456,15 @@ class Controller:
 
         rows = [self.held_out.try_sample(i) for i in range(min(len(self.held_out), self.job.rl.eval_rows))]
         samples = [s for s in rows if not isinstance(s, RowError)]  # validate names them; evaluation skips them
-        prompts = [self.format.text(s.prompt) for s in samples]
         while True:
             i = self.engines.admitted()[0]
             try:
-                out = self.engines.clients[i].completions(prompts, n=1, temperature=0.0,
-                                                          max_tokens=self.job.rollout.max_new_tokens)
+                out = self._complete(self.engines.clients[i], samples, n=1, temperature=0.0,
+                                     max_tokens=self.job.rollout.max_new_tokens)
                 self.engines.check_served(i, out)
                 break
             except EngineRequestError as e:
-                self.engines.take_out(i, e, resent=len(prompts))
+                self.engines.take_out(i, e, resent=len(samples))
                 if self.engines.admitted():
                     continue
                 if not (self._can_bring_back() and self._replacement_synced(step)):

@@ -2,13 +2,13 @@
 
     code = run(job, run_dir)        # jobs/rl.py's entrance; returns the lifecycle exit code
 
-One step reads like the diagram in DESIGN.md, each phase inside the phase guard:
+One step reads like the diagram at the top of README.md, each phase inside the phase guard:
 
     boundary (drain? checkpoint due?) -> experience (prompts -> rollout -> reward -> advantages, rank 0,
     shared with every rank) -> train (every rank, its share) -> sync (DRAIN/UPDATE/VERIFY/RESUME) ->
     metrics (+ held-out evaluation) -> next boundary
 
-Drain (USR1, `rlslurm drain`, SIGTERM): the ranks agree at a step boundary (`_agree_at_boundary`), the
+Drain (USR1, `rlslurm drain`, SIGTERM): the ranks agree at a step boundary (rlslurm/boundary.py), the
 controller drains the engines, rank 0 checkpoints and requeues the whole het job; the next start
 resumes at that step and policy version and syncs its new engines to it. Engine sampling is seeded by
 (train.seed, step, engine), so a resumed run draws the same samples as the uninterrupted one.
@@ -21,32 +21,32 @@ resumed job makes it again.
 from __future__ import annotations
 
 import logging
-import math
-import os
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import psutil
 import torch
 import torch.distributed as dist
 
-from rlslurm import events, lifecycle
-from rlslurm.checkpoint import IntervalPolicy
+from rlslurm import events, lifecycle, plan_vs_run
+from rlslurm.boundary import StepBoundary
 from rlslurm.config import JobConfig
-from rlslurm.diag.drain_gate import DrainGate, agreed_reason
+from rlslurm.diag.drain_gate import DrainGate
 from rlslurm.diag.env_diff import write_fingerprint
 from rlslurm.diag.guard import PhaseGuard
-from rlslurm.dist import Topology, compute_device, init_process_group, release_process_group_users
-from rlslurm.errors import RlslurmError
+from rlslurm.dist import Topology, init_process_group, release_process_group_users
+from rlslurm.errors import CheckpointError, RlslurmError
 from rlslurm.lifecycle import ExitCode
+from rlslurm.lifetime import process_age_s
+from rlslurm.memory_meter import process_rss_peak_gb, step_memory
 from rlslurm.metrics_sinks import MetricsLog
-from rlslurm.rl.checkpointing import resume_point, save
+from rlslurm.rl.checkpointing import CheckpointSaves, resume_point
 from rlslurm.rl.controller import Controller
 from rlslurm.rl.experience import Experience
-from rlslurm.rl.policy import RLPolicy, make_policy
+from rlslurm.rl.policy import Policy, RLPolicy
 from rlslurm.rundir import RunDir
+from rlslurm.sync.protocol import SyncReport
 from rlslurm.tinymodel import build_model, save_hf
 
 log = logging.getLogger(__name__)
@@ -92,6 +92,16 @@ def run(job: JobConfig, run_dir: str | Path) -> int:
         dist.destroy_process_group()
 
 
+def make_policy(job: JobConfig, topo: Topology, model_dir: Path) -> RLPolicy:
+    """train.backend: torch = rlslurm/rl/policy.py Policy (DDP); megatron = rlslurm/megatron/policy.py (same interface;
+    Megatron's DDP and distributed optimizer, on the GPU under NCCL or the CPU over gloo)."""
+    if job.train.backend == "megatron":
+        from rlslurm.megatron.policy import MegatronPolicy
+
+        return MegatronPolicy(job, topo, model_dir)
+    return Policy(job, topo, model_dir)
+
+
 def initial_model_dir(job: JobConfig, run: RunDir, topo: Topology) -> Path:
     """train.init_from as it is (the SFT export), or the embedded model at random init written once."""
     if job.train.init_from:
@@ -105,18 +115,6 @@ def initial_model_dir(job: JobConfig, run: RunDir, topo: Topology) -> Path:
         save_hf(build_model(job.model, seed=job.train.seed), path, max_new_tokens=job.rollout.max_new_tokens)
     dist.barrier()
     return path
-
-
-@dataclass
-class Boundary:
-    """What the ranks agreed at one step boundary."""
-
-    drain: bool
-    """Some rank was asked to drain (signal, control file): every rank stops here."""
-    time_left_s: float | None
-    """The least KillWait left over the ranks after a SIGTERM (None: no SIGTERM)."""
-    checkpoint_due: bool
-    """Rank 0's interval policy says a checkpoint is due at this step."""
 
 
 @dataclass
@@ -137,28 +135,38 @@ class Loop:
     version: int = 0
     rl_state: dict = field(default_factory=dict)
     last_saved: int | None = None
+    memory_ranks: list | None = None
+    """Every rank's memory peaks of the step just trained, on rank 0 when it was metered (else None)."""
+    saves: CheckpointSaves | None = None
+    """The periodic saves, retried and counted (rlslurm/rl/checkpointing.py): a storage fault is survived."""
 
     def run(self) -> int:
         job, run = self.job, self.run_dir
+        self.saves = CheckpointSaves(run, job, self.topo)
         self.step, self.version, self.rl_state, proceed = resume_point(job, run, self.topo, self.policy)
         if not proceed:
             return ExitCode.NO_PROGRESS
-        on_slurm = bool(os.environ.get("SLURM_JOB_ID"))
-        interval = IntervalPolicy(job.checkpoint, start_step=self.step,
-                                  time_limit_s=job.cluster.time_limit_min * 60.0 if on_slurm else None)
+        boundary = StepBoundary(run, self.topo, self.gate, job, start_step=self.step)
+        interval = boundary.interval
         self._first_sync()
         self.last_saved = self.step if self.step else None
         first_step = True
         while True:
-            boundary = self._agree_at_boundary(interval)
-            if boundary.drain:
-                return self._drain(boundary, interval.cost_s)
-            if boundary.checkpoint_due and self.last_saved != self.step:
+            at = boundary.agree(self.step)           # every rank: drain? checkpoint due? (rlslurm/boundary.py)
+            if at.drain:
+                return boundary.drain(self.step, at, self._save_for_drain, before=self._drain_engines)
+            if at.checkpoint_due and self.last_saved != self.step:
                 with self.guard.phase("checkpoint", step=self.step):
-                    interval.observe_save(self.step, self._save())
+                    seconds = self._save()
+                if seconds is None:  # skipped after its tries: training goes on, the next try an interval on
+                    interval.observe_failed_save(self.step)
+                else:
+                    interval.observe_save(self.step, seconds)
             if self.step >= job.train.steps:
                 break
             started = time.monotonic()
+            if self.policy.meter.start_step(self.step + 1):  # a metered step: the engines' peaks start here too
+                self._engine_peaks(reset=True)
             exp = self._experience()                 # prompts -> rollout -> reward -> advantages
             if exp is None:
                 continue  # abandoned: every rank drains at this step's boundary (rank 0's flag reaches them)
@@ -184,12 +192,13 @@ class Loop:
         controller = self.controller
         if controller is None:
             return
-        controller.current_weights = self.policy.weights  # a lone engine's replacement is synced to them mid-step
+        # a lone engine's replacement is synced to them mid-step (all it serves: with train.lora, the base too)
+        controller.current_weights = lambda: self.policy.served_weights(full=True)
         with self.guard.phase("data", step=self.step):  # first: a checkpoint of other data fails the start here
             controller.stream.resume(self.step, self.rl_state.get("data"))
         with self.guard.phase("sync", step=self.step):
             controller.check_env()
-            controller.sync_engines(self.policy.weights(), version=self.version, step=self.step)
+            controller.sync_engines(self.policy.served_weights(full=True), version=self.version, step=self.step)
         if "eval_history" not in self.rl_state:
             result = controller.evaluate(self.step)
             self.rl_state["eval_history"] = [[self.step, result["held_out_accuracy"]]]
@@ -197,17 +206,6 @@ class Loop:
             events.emit(self.run_dir, events.EVAL, step=self.step, **result)
         # rl.max_staleness > 0: from here on the next steps' rollouts run while this one trains.
         controller.start_experience(self.step, self.version, self.rl_state)
-
-    def _agree_at_boundary(self, interval: IntervalPolicy) -> Boundary:
-        """Every rank must agree to drain / save, so they stop at the same step; the least KillWait left
-        over the ranks (after a SIGTERM) decides whether the drain checkpoint still fits."""
-        gate = self.gate
-        left = gate.kill_wait_left_s() if gate.check() else None
-        flags = torch.tensor([float(gate.requested), -(left if left is not None else math.inf),
-                              float(self.topo.is_main and interval.due(self.step))], device=compute_device())
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return Boundary(drain=bool(flags[0] > 0), time_left_s=None if math.isinf(flags[1]) else -flags[1].item(),
-                        checkpoint_due=bool(flags[2] > 0))
 
     def _experience(self) -> Experience | None:
         """This step's experience, made on rank 0 (possibly ahead, rl.max_staleness) and shared with every
@@ -234,22 +232,32 @@ class Loop:
         return box[0]
 
     def _train(self, exp: Experience) -> tuple[dict, float]:
-        """This rank's share of the samples through one policy update; (stats, seconds)."""
+        """This rank's share of the samples through one policy update; (stats, seconds). On a metered step
+        (rlslurm/memory_meter.py) rank 0 gathers every rank's memory peaks into `memory_ranks`."""
         t = time.monotonic()
+        meter = self.policy.meter
+        metered = meter.metered
         with self.guard.phase("train", step=self.step):
             share = exp.samples[self.topo.rank::self.topo.world_size]
             stats = self.policy.update(share, self.guard, step_total=len(exp.samples))
-        return stats, time.monotonic() - t
+        seconds = time.monotonic() - t
+        self.memory_ranks = None
+        if metered:  # every rank meters the same steps (by step number), so every rank joins this gather
+            ranks: list = [None] * self.topo.world_size
+            dist.all_gather_object(ranks, meter.peaks())
+            self.memory_ranks = ranks
+        return stats, seconds
 
     def _sync(self) -> tuple[dict, float]:
         """Rank 0: the new weights to the engines (verified); (metrics, seconds)."""
         t = time.monotonic()
-        with self.guard.phase("sync", step=self.step):
+        with self.guard.phase("sync", step=self.step), self.policy.meter.measure("sync"):
             try:
-                metrics = self.controller.sync_weights(self.policy.weights(), step=self.step, version=self.version,
-                                                       guard=self.guard)
+                metrics = self.controller.sync_weights(self.policy.served_weights(), step=self.step,
+                                                       version=self.version, guard=self.guard)
                 if self.job.rl.max_staleness:  # a checkpoint at this boundary keeps the steps made ahead
                     self.rl_state["experience_buffer"] = self.controller.experience_buffer(self.step, self.guard)
+                metrics = {**metrics, "sync_skipped": False}
             except RlslurmError as e:
                 if not _stopped_by_slurm(self.gate):
                     raise
@@ -257,7 +265,7 @@ class Loop:
                 # sync puts these weights into its new engines.
                 events.emit(self.run_dir, events.SYNC_SKIPPED, step=self.step,
                             reason=f"SLURM stops the job and its engines: {e}")
-                metrics = {"sync_skipped": True}
+                metrics = skipped_sync_metrics()
         return metrics, time.monotonic() - t
 
     def _record(self, exp: Experience, stats: dict, train_s: float, sync_metrics: dict, sync_s: float,
@@ -266,14 +274,21 @@ class Loop:
         job, step = self.job, self.step
         record = step_record(exp, stats, train_s, sync_metrics, sync_s, step_s=time.monotonic() - started,
                              step=step, version=self.version)
-        if (step % job.rl.eval_every == 0 or step == job.train.steps) and "sync_skipped" not in sync_metrics:
+        if self.memory_ranks is not None:  # rank 0's own figures now include its sync phase
+            self.memory_ranks[0] = self.policy.meter.peaks()
+        record.update(step_memory(self.memory_ranks))
+        if self.memory_ranks is not None:
+            record["engine_rss_peak_gb"] = self._engine_peaks(reset=False)
+        if (step % job.rl.eval_every == 0 or step == job.train.steps) and not sync_metrics["sync_skipped"]:
             result = self.controller.evaluate(step)
             record.update(result)
             self.rl_state.setdefault("eval_history", []).append([step, result["held_out_accuracy"]])
             self.rl_state["last_eval"] = result
         self.metrics.append(record)
+        if step == min(plan_vs_run.CHECK_STEP, job.train.steps):  # the run meets its plan, once
+            plan_vs_run.check(self.run_dir, step)
         if first_step:  # requeue -> training again is measured up to here
-            since = time.time() - psutil.Process().create_time()
+            since = process_age_s()
             events.emit(self.run_dir, events.FIRST_STEP, step=step, policy_version=self.version,
                         since_process_start_s=round(since, 3), device=str(self.policy.device))
         log.info("step %d v%d reward %.3f eff %d/%d rollout %.2fs train %.2fs sync %.2fs%s", step, self.version,
@@ -281,43 +296,50 @@ class Loop:
                  exp.stats["rollout_s"], train_s, sync_s,
                  f" acc {record['held_out_accuracy']:.3f}" if "held_out_accuracy" in record else "")
 
-    def _save(self) -> float:
-        """Collective: a checkpoint at this step boundary; its cost in seconds."""
+    def _engine_peaks(self, reset: bool) -> float | None:
+        """Rank 0: the largest resident-set peak of the engines it spawned beside itself (colocated ones share this
+        node's memory), since the last reset; None where it spawned none."""
+        if self.controller is None:
+            return None
+        peaks = [process_rss_peak_gb(sup.pid, reset=reset) for sup in self.controller.engines.supervisors
+                 if sup.pid is not None]
+        peaks = [p for p in peaks if p is not None]
+        return max(peaks) if peaks else None
+
+    def _save(self) -> float | None:
+        """Collective: a checkpoint at this step boundary; its cost in seconds, None when every try failed."""
         if self.controller is not None:  # the next row step `step` draws: a resume goes on there
             self.rl_state["data"] = self.controller.data_state(self.step)
-        seconds = save(self.run_dir, self.job, self.topo, self.policy, self.step, self.version, self.rl_state)
-        self.last_saved = self.step
+        seconds = self.saves.save(self.policy, self.step, self.version, self.rl_state)
+        if seconds is not None:
+            self.last_saved = self.step
         return seconds
 
-    def _drain(self, boundary: Boundary, cost_s: float | None) -> int:
-        """Every role drains at the step the ranks agreed on: the engines stop taking prompts and finish
-        what is in flight, the trainer checkpoints, the leader requeues the whole het job."""
-        reason, signal_name = agreed_reason(self.gate, self.topo.world_size)
-        if self.controller is not None:
-            if signal_name == "SIGTERM":
-                # SLURM sent SIGTERM to every step, the engines' too: they are stopping already, and
-                # KillWait is for the checkpoint.
-                events.emit(self.run_dir, events.ENGINES_DRAINED, role="controller", engines={},
-                            reason="stopped by SLURM (SIGTERM)")
-            else:
-                self.controller.engines.drain(self.job.sync.timeout_s)
+    def _drain_engines(self, signal_name: str | None) -> None:
+        """Rank 0, at the step the ranks agreed to drain at: the engines stop taking prompts and finish what is
+        in flight (then the trainer checkpoints and the leader requeues the whole het job)."""
+        if self.controller is None:
+            return
+        if signal_name == "SIGTERM":
+            # SLURM sent SIGTERM to every step, the engines' too: they are stopping already, and KillWait is for
+            # the checkpoint.
+            events.emit(self.run_dir, events.ENGINES_DRAINED, role="controller", engines={},
+                        reason="stopped by SLURM (SIGTERM)")
+        else:
+            self.controller.engines.drain(self.job.sync.timeout_s)
 
-        def save_now() -> str:
-            if self.last_saved != self.step:
-                self._save()
-            return f"step-{self.step:08d}"
-
-        code = lifecycle.finish_drain(self.run_dir, step=self.step, reason=reason or "drain requested by a peer rank",
-                                      signal_name=signal_name, save=save_now, cost_s=cost_s,
-                                      time_left_s=boundary.time_left_s, is_leader=self.topo.is_main)
-        if self.topo.is_main and code == ExitCode.DRAINED:
-            self.gate.consume_control_file()  # else the requeued job would drain again at its first step
-        return code
+    def _save_for_drain(self) -> str | None:
+        """Collective: the drain checkpoint of this step (unless the periodic one holds it already); None when
+        every try failed (drained without it: the resume takes the newest complete one)."""
+        if self.last_saved != self.step and self._save() is None:
+            return None
+        return f"step-{self.step:08d}"
 
     def _finish(self) -> None:
         """All steps ran: the final checkpoint, and rank 0's HF export of the trained policy."""
-        if self.last_saved != self.step:
-            self._save()
+        if self.last_saved != self.step and self._save() is None:
+            raise CheckpointError(f"the final checkpoint (step {self.step}) could not be written: see the "
+                                  f"checkpoint_failed events; `rlslurm resume` goes on from the newest complete one")
         if self.topo.is_main:
             save_hf(self.policy.model, self.run_dir.path / "export" / "hf",
                     max_new_tokens=self.job.rollout.max_new_tokens, tokenizer=self.policy.tokenizer)
@@ -325,6 +347,11 @@ class Loop:
                         held_out_accuracy=self.rl_state.get("eval_history", [[0, None]])[-1][1],
                         **{k: v for k, v in self.rl_state.get("last_eval", {}).items()
                            if k in ("eval_reward_mean", "eval_pass_rate")})
+
+
+EVAL_KEYS = ("held_out_accuracy", "eval_reward_mean", "eval_pass_rate", "eval_rows")
+"""What a held-out evaluation (Controller.evaluate) adds to its step's metrics row (every rl.eval_every steps and
+the last); every other key is in every row of the run (docs/metrics.md)."""
 
 
 def step_record(exp: Experience, stats: dict, train_s: float, sync_metrics: dict, sync_s: float, *,
@@ -340,6 +367,13 @@ def step_record(exp: Experience, stats: dict, train_s: float, sync_metrics: dict
         record[f"{phase}_share"] = record[f"{phase}_s"] / total if total else 0.0
     record["effective_samples_per_s"] = exp.stats["effective_samples"] / step_s
     return record
+
+
+def skipped_sync_metrics() -> dict:
+    """A sync SLURM's stop left to the next start: a synced step's keys (docs/metrics.md), each stage 0 (the
+    row's `sync_s` stays the seconds the failed attempt took), and `sync_skipped: true`."""
+    zero = {k: v for k, v in SyncReport(transport="", version=-1).metrics().items() if k != "sync_s"}
+    return {**zero, "sync_wait_rollout_s": 0.0, "sync_skipped": True}
 
 
 def _stopped_by_slurm(gate: DrainGate, grace_s: float = 2.0) -> bool:

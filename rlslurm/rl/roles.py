@@ -21,8 +21,8 @@ from rlslurm.config import JobConfig
 from rlslurm.diag.env_diff import write_fingerprint
 from rlslurm.errors import RlslurmError
 from rlslurm.node import node_name
-from rlslurm.rl.controller import reward_config, reward_env
 from rlslurm.rl.engines import endpoint_stamp, engine_launch
+from rlslurm.rl.scoring import reward_config, reward_env
 from rlslurm.rundir import RunDir
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,11 @@ def run_engine(job: JobConfig, run_dir: str | Path) -> int:
     Lifecycle: it serves until the trainer's rank 0 stops the component (SIGTERM to its tasks, see
     hetjob.ComponentStep.stop) or SLURM ends the job (requeue, cancel: SIGTERM too); either way the work
     in flight is dropped (its callers get 503) and the task exits 0 within seconds. Past the restart budget
-    it exits with RlslurmError (the controller fails the job on the `engine_down` announcement). A drain
+    (`engine_down`, its announcement says down) the task ends too, exit 0: an engine that leaves the rotation
+    leaves alone. A failed task would end its siblings with it (one srun step runs every engine of the
+    component; issue 38: the healthy engine went down with the one past its budget); the controller takes
+    it out of rotation for good from the announcement and goes on with the others (rl/engines.py
+    check_down; every engine down: the job fails naming them). A drain
     reaches the engine as the controller's /admin/drain (Engines.drain), not as a signal of its own. It
     listens on the node's address (the one it announces), never on every interface, and requires the job's
     secret.
@@ -87,8 +91,10 @@ def run_engine(job: JobConfig, run_dir: str | Path) -> int:
         log.info("engine %d on %s, supervised", rank, sup.url)
         while not stop.wait(1.0):
             if sup.failed.is_set():
-                raise RlslurmError(f"rollout engine {rank} on {node} failed past rollout.max_restarts = "
-                                   f"{job.rollout.max_restarts}; see {spec.log_path}")
+                log.error("rollout engine %d on %s failed past rollout.max_restarts = %d (see %s): it leaves the "
+                          "rotation; this task ends, its sibling engines serve on: exiting 0", rank, node,
+                          job.rollout.max_restarts, spec.log_path)
+                return 0
     finally:
         sup.stop()
     log.info("engine %d on %s stopped: exiting 0", rank, node)
@@ -113,11 +119,20 @@ def run_reward(job: JobConfig, run_dir: str | Path) -> int:
     # default action would kill the service while the trainer still finishes its step.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    supervised: list[RewardSupervisor] = []
+
+    def stopping(*_) -> None:
+        # SLURM's SIGTERM reaches the service too: its supervisor must not take its exit for a death.
+        stop.set()
+        for sup in supervised:
+            sup.stopping()
+
+    signal.signal(signal.SIGTERM, stopping)
     run_ = RunDir(Path(run_dir))
     node = node_name()
     host = node_address(node)
     with RewardSupervisor(reward_config(job), run=run_, bind=host, diag=job.diag, env=reward_env(job)) as sup:
+        supervised.append(sup)
         announce(run_, sup.url, node)
         log.info("reward service on %s, supervised", sup.url)
         while not stop.wait(1.0):

@@ -4,7 +4,8 @@ AdmissionGate lifecycle: serving -> drain() -> draining (new requests refused) -
 reached zero, bounded by timeout_s) -> resume() -> serving. The weight-sync protocol drives it.
 
 Limits: what one request may ask for (n, max_tokens, prompts, prompt tokens against the model's
-context, rows of one generate call, token ids inside the vocabulary); `check` names the limit broken.
+context, rows of one generate call, token ids inside the vocabulary); `check` names the limit broken, and
+`check_text` refuses a text prompt by its length before it is tokenized.
 
 Batcher lifecycle: start() spawns one thread that waits for jobs; submit() queues one and returns it
 (its `future` has the result); stop() aborts what is queued or running and joins the thread. Jobs
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from rlslurm.rollout.engine import Engine, SamplingParams
+from rlslurm.textbound import too_long
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +94,26 @@ class Limits:
     """Prompt + generated tokens of one sequence: the served model's max_position_embeddings."""
     vocab_size: int | None = None
     """Token ids are in [0, vocab_size)."""
+
+    def prompt_tokens(self, max_tokens: int) -> int | None:
+        """Tokens one prompt may take with `max_tokens` to generate: max_prompt_tokens and what the context leaves."""
+        room = [t for t in (self.max_prompt_tokens,
+                            self.context_tokens - max_tokens if self.context_tokens is not None else None)
+                if t is not None]
+        return max(0, min(room)) if room else None
+
+    def check_text(self, prompts: Sequence, max_tokens: int, per_token: int) -> str | None:
+        """Why a text prompt is refused by its length alone, before the tokenizer sees it (rlslurm/textbound.py:
+        more bytes than the prompt's tokens can hold at the vocabulary's longest token, `per_token` bytes), or None."""
+        tokens = self.prompt_tokens(max_tokens)
+        if tokens is None:
+            return None
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                problem = too_long(prompt, tokens=tokens, per_token=per_token, what=f"prompt {i}")
+                if problem is not None:
+                    return problem + " (rollout.max_prompt_tokens, the model's context less max_tokens)"
+        return None
 
     def check(self, prompts: Sequence[Sequence[int]], n: int, max_tokens: int) -> str | None:
         """Why this request is refused (the limit and the values), or None."""

@@ -12,7 +12,11 @@ integers, so a check of `isinstance(n, int)` let 16,384 choices through (issue 2
   a count is a number, and a value the gate does not read as vLLM would is a way around it;
 - over or under its range is refused, whatever the type (1e300, 10**30, -1);
 - a body with a key twice is refused (which copy a parser keeps is its own choice);
-- `logprobs` alone may also be a bool in a chat body (chat's on/off switch; top_logprobs is its count).
+- `logprobs` alone may also be a bool in a chat body (chat's on/off switch; top_logprobs is its count);
+- a body vLLM may serve as either kind (/invocations) is bounded as both: a chat body's one prompt and, read
+  as a completion, every prompt of its `prompt` and `prompt_embeds` (issue 37: `"messages": "x"` beside 1,024
+  prompts passed as one chat prompt, and vLLM's completion fallback returned 16,384 choices);
+- a body nested past safejson.MAX_DEPTH or with an integer past its digits is refused, not handed to vLLM.
 
 Fields: n and best_of <= max_n; max_tokens, max_completion_tokens, max_output_tokens and min_tokens <= max_tokens;
 logprobs, top_logprobs, prompt_logprobs <= MAX_LOGPROBS (vLLM reads -1 as "the whole vocabulary"); prompts per
@@ -25,6 +29,8 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+
+from rlslurm import safejson
 
 MAX_LOGPROBS = 20
 """Top log-probabilities a request may ask per token (the transformers engine's schema says the same)."""
@@ -59,22 +65,13 @@ def as_count(value, name: str = "") -> int | None:
     raise BoundError(f"{name or 'a count'} must be a whole number, not {kind}")
 
 
-def _no_duplicates(pairs):
-    seen = {}
-    for key, value in pairs:
-        if key in seen:
-            raise BoundError(f"the body names {key[:64]!r} twice")
-        seen[key] = value
-    return seen
-
-
-def _no_constants(name: str):
-    raise BoundError(f"the body holds {name}, which is not JSON")
-
-
 def parse(body: bytes):
-    """The JSON of a body, refusing duplicate keys and NaN / Infinity; ValueError when it is no JSON at all."""
-    return json.loads(body, object_pairs_hook=_no_duplicates, parse_constant=_no_constants)
+    """The JSON of a body (rlslurm/safejson.py, strict): BoundError for a key given twice, NaN / Infinity, nesting
+    past safejson.MAX_DEPTH or an integer past its digits; ValueError when it is no JSON at all."""
+    try:
+        return safejson.loads(body, strict=True)
+    except safejson.JSONLimitError as e:
+        raise BoundError(f"the body {e}") from None
 
 
 def prompts_of(prompt) -> int:
@@ -85,6 +82,15 @@ def prompts_of(prompt) -> int:
     if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
         return 1
     return len(prompt)
+
+
+def completion_prompts(request: dict) -> int:
+    """Prompts a body is served as when vLLM reads it as a completion: its `prompt`'s, plus one per item of
+    `prompt_embeds` (vLLM takes both lists); at least one."""
+    embeds = request.get("prompt_embeds")
+    embedded = len(embeds) if isinstance(embeds, list) else int(embeds is not None)
+    prompts = prompts_of(request["prompt"]) if "prompt" in request else 0
+    return max(1, prompts + embedded)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,7 +110,12 @@ class Bounds:
 
     def check(self, body: bytes, shape: str) -> str | None:
         """Why a body of `shape` (completion, chat, tokenize, or any: /invocations' body is either kind) is
-        refused, or None. A body that is no JSON at all is left to vLLM's own validation (it refuses it)."""
+        refused, or None. A body that is no JSON at all is left to vLLM's own validation (it refuses it); one
+        past safejson's depth or digits is refused here (vLLM's own parser answered 100,000 `[` with a 500).
+
+        `any` is bounded as every kind it may be served as: vLLM's /invocations tries the body as a chat
+        request first and, when that fails validation (say `"messages": "x"`), serves it as a completion
+        (vllm/entrypoints/serve/sagemaker/api_router.py), so it must pass both checks."""
         try:
             request = parse(body)
         except BoundError as e:
@@ -113,14 +124,16 @@ class Bounds:
             return None
         if not isinstance(request, dict):
             return None
+        shapes = {"any": ("chat", "completion") if "messages" in request else ("completion",)}.get(shape, (shape,))
         try:
-            return self._check(request, shape)
+            return next((problem for kind in shapes if (problem := self._check(request, kind))), None)
         except BoundError as e:
             return str(e)
 
     def _check(self, request: dict, shape: str) -> str | None:
-        chat = "messages" in request and shape in ("chat", "any")
-        switch = chat and isinstance(request.get("logprobs"), bool)
+        chat = shape == "chat"
+        # A chat body's logprobs is a switch; read as a completion (/invocations' fallback) vLLM takes it as 0 or 1.
+        switch = "messages" in request and shape in ("chat", "completion") and isinstance(request.get("logprobs"), bool)
         values = {name: as_count(request.get(name), name) for name in COUNTS if not (switch and name == "logprobs")}
         for name, value in values.items():
             if value is None:
@@ -135,7 +148,7 @@ class Bounds:
                         "vLLM's default is the rest of the model's context")
             prompts = 1
         else:
-            prompts = prompts_of(request.get("prompt"))
+            prompts = completion_prompts(request)
         if prompts > self.max_prompts:
             return (f"{prompts} prompts are over this engine's limit of {self.max_prompts} "
                     "(rollout.max_prompts_per_request)")

@@ -1,7 +1,7 @@
-"""The controller's client of rollout engine servers, and a launcher for one server process.
+"""The controller's client of rlslurm's rollout engine server, and the process of one such server.
 
     engine = spawn_engine(model_dir, port=p, log_path=run.logs / "engine-0.log", secret_file=run.secret)
-    # or EngineClient(url, token=secret.read(run.secret))
+    # rlslurm/rollout/launcher.py (hf or vllm); or EngineClient(url, token=secret.read(run.secret))
     out = engine.client.completions(["2 + 3 ="], n=4, max_tokens=8, temperature=1.0)
     out["policy_version"], out["choices"][0]["token_ids"]
 
@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +23,7 @@ from typing import Callable
 import httpx
 import psutil
 
-from rlslurm import lifetime, secret
+from rlslurm import secret
 from rlslurm.errors import RlslurmError
 
 log = logging.getLogger(__name__)
@@ -179,52 +177,3 @@ class EngineProcess:
                 child.kill()
         self.client.close()
         return self.proc.returncode
-
-
-def connect(url: str, timeout_s: float = 120.0, *, token: str | None = None, engine: str = "hf",
-            tp: int = 1) -> EngineClient:
-    """The client of an engine server announced at `url`: rollout.engine vllm is vLLM's own server."""
-    if engine == "vllm":
-        from rlslurm.rollout.vllm_client import VLLMServeClient
-
-        return VLLMServeClient(url, timeout_s, token=token, tp=tp)
-    return EngineClient(url, timeout_s, token=token)
-
-
-def spawn_engine(model_dir: str | Path, *, port: int, host: str = "127.0.0.1", log_path: str | Path,
-                 secret_file: str | Path | None = None, extra_args: list[str] | None = None,
-                 env: dict[str, str] | None = None, ready_timeout_s: float = 120.0, timeout_s: float = 120.0,
-                 engine: str = "hf", python: str | None = None, tp: int = 1) -> EngineProcess:
-    """Start `python -m rlslurm.rollout.server` and wait until it answers /health; rollout.engine vllm:
-    vLLM's own OpenAI server instead (rollout/vllm_serve.py), with `tp` workers and `extra_args`' limits.
-
-    `engine` is rollout.engine (hf | vllm); `python` is rollout.python, the interpreter of the server
-    process (None = this one; the vLLM engine lives in its own venv, .venv-vllm). `secret_file` is the
-    job's (<run>/secret); without one the engine gets a secret of its own beside its log (mode 0600).
-    The server is handed the file's path, never the secret: argv and env are visible to `ps`.
-    """
-    if engine == "vllm":
-        from rlslurm.rollout.vllm_serve import spawn_for_server_args
-
-        return spawn_for_server_args(model_dir, port=port, host=host, log_path=log_path, secret_file=secret_file,
-                                     server_args=extra_args or [], env=env, timeout_s=timeout_s, tp=tp,
-                                     python=python or sys.executable, ready_timeout_s=max(ready_timeout_s, 300.0))
-    log_path = Path(log_path)
-    secret_file = secret.ensure(secret_file or log_path.with_name(log_path.name + ".secret"))
-    if engine != "hf":
-        raise ValueError(f"rollout.engine {engine!r}: hf (rlslurm's transformers server) or vllm (vLLM's own)")
-    cmd = [python or sys.executable, "-m", "rlslurm.rollout.server", "--model", str(model_dir), "--host", host,
-           "--port", str(port), "--secret-file", str(secret_file), *(extra_args or [])]
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, **(env or {}), **lifetime.child_env()})
-    client = EngineClient(f"http://{host}:{port}", timeout_s, token=secret.read(secret_file))
-    log.info("started engine pid %d at %s (log %s)", proc.pid, client.url, log_path)
-    try:
-        client.wait_ready(ready_timeout_s, alive=lambda: proc.poll() is None)
-    except EngineRequestError as e:
-        proc.kill()
-        tail = log_path.read_text(errors="replace")[-2000:]
-        raise EngineRequestError(f"{e}\n--- tail of {log_path} ---\n{tail}", url=e.url, call=e.call) from None
-    return EngineProcess(proc, client, log_path)

@@ -25,6 +25,8 @@ from typing import Iterable, Iterator, Protocol, Sequence
 
 import torch
 
+from rlslurm.sync.landing import WeightLoadError  # raised here too; defined where an update lands
+
 Prompt = str | list[int]
 
 
@@ -127,15 +129,11 @@ class Engine(abc.ABC):
         return None  # an in-process engine (HFEngine) holds nothing beyond this process
 
 
-class WeightLoadError(ValueError):
-    """An update names a tensor the engine does not serve, or gives it the wrong shape or dtype."""
-
-
 class HFEngine(Engine):
     """transformers `AutoModelForCausalLM` + `generate`; float32 on CPU by default."""
 
     def __init__(self, model_dir: str | Path, *, device: str = "cpu", dtype: str = "float32",
-                 version: int = 0, name: str | None = None):
+                 version: int = 0, name: str | None = None, lora=None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.model_dir = Path(model_dir)
@@ -145,6 +143,12 @@ class HFEngine(Engine):
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.vocab_size, self.context_tokens = model_facts(self.model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=getattr(torch, dtype))
+        if lora is not None and lora.enabled:
+            # train.lora: the trainer's LoRA layers (rlslurm/lora.py), so a sync sends the adapters alone and
+            # VERIFY checks the adapters served; B starts at zero, so until the first sync this serves the base.
+            from rlslurm.lora import inject
+
+            self.model = inject(self.model, lora)
         self.model.to(self.device).eval()
         self.eos_id = self.tokenizer.eos_token_id
         if self.eos_id is None:

@@ -13,8 +13,10 @@ Trust (rlslurm/wire.py): every route but GET /health needs `Authorization: Beare
 (401 without); `--open-data-plane` (rollout.open_data_plane) lets anyone reach /v1/*. Bodies are strict
 (rollout/schema.py) and bounded; a request past a limit (n, max_tokens, prompts, prompt tokens against
 the model's context, sequences per call, token ids in the vocabulary) is a 400 that names it
-(batcher.Limits). Each request has a deadline (--request-timeout-s: 504 and its work dropped); a caller
-that disconnects has its work dropped (queued: never run; generating: stopped at the next token).
+(batcher.Limits); a text prompt longer in bytes than its tokens could hold is refused before it is tokenized
+(rlslurm/textbound.py). Connections are guarded before the secret (rlslurm/connguard.py). Each request
+has a deadline (--request-timeout-s: 504 and its work dropped); a caller that disconnects has its work
+dropped (queued: never run; generating: stopped at the next token).
 /health answers 503 with a reason when work is pending and the generation loop has not stepped for
 --stall-timeout-s. SIGTERM drops all work at once and the server exits within seconds.
 
@@ -48,7 +50,7 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from rlslurm import lifetime, secret, wire
+from rlslurm import connguard, lifetime, secret, wire
 from rlslurm.rollout import engine_guard, schema
 from rlslurm.rollout.batcher import AdmissionGate, Batcher, Dropped, Job, Limits
 from rlslurm.rollout.engine import Engine, HFEngine, SamplingParams, WeightLoadError
@@ -56,6 +58,7 @@ from rlslurm.sync import disk, ipc
 from rlslurm.sync.broadcast import BroadcastGroup
 from rlslurm.sync.checksum import checksums, compare, unnamed
 from rlslurm.sync.landing import BufferPool, Landing
+from rlslurm.textbound import longest_token_bytes
 
 log = logging.getLogger("rlslurm.rollout.server")
 
@@ -99,6 +102,7 @@ class EngineServer:
         self.engine = engine
         self.gate = AdmissionGate()
         self.limits = limits or Limits(context_tokens=engine.context_tokens, vocab_size=engine.vocab_size)
+        self.per_token = longest_token_bytes(engine.tokenizer)  # bytes a token covers at most: checks text unread
         self.request_timeout_s, self.stall_timeout_s = request_timeout_s, stall_timeout_s
         self.batcher = Batcher(engine, max_batch_rows=self.limits.max_batch_rows, debug_stall_s=debug_stall_s)
         self.verified = True  # weights served == weights last verified (or loaded at start)
@@ -209,11 +213,15 @@ def build_app(server: EngineServer, token: str, *, open_data: bool = False,
     async def completions(req: schema.CompletionRequest, request: Request):
         if req.stream:
             return _error(400, "stream=true is not supported by this engine")
+        max_tokens = req.max_tokens if req.max_tokens is not None else 16
+        # Length before tokens: a 15 MiB prompt cost 37 s and +4.1 GB in the tokenizer before this refused it.
+        problem = server.limits.check_text(_prompts(req.prompt), max_tokens, server.per_token)
+        if problem is not None:
+            return _error(400, problem)
         try:  # tokenizing is CPU work: off the event loop
             prompts = await run_in_threadpool(lambda: [engine.encode(p) for p in _prompts(req.prompt)])
         except Exception as e:  # a prompt the tokenizer cannot take is the caller's error
             return _error(400, f"a prompt could not be tokenized: {type(e).__name__}")
-        max_tokens = req.max_tokens if req.max_tokens is not None else 16
         problem = server.limits.check(prompts, req.n, max_tokens)
         if problem is not None:
             return _error(400, problem)
@@ -356,6 +364,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    p.add_argument("--lora", default=None, help="train.lora as JSON (rlslurm/lora.py): serve the base with the "
+                                                "trainer's LoRA layers, synced as adapters")
     limits = Limits()
     p.add_argument("--max-n", type=int, default=limits.max_n, help="samples per prompt (rollout.max_n)")
     p.add_argument("--max-tokens", type=int, default=limits.max_tokens,
@@ -380,8 +390,13 @@ def main(argv: list[str] | None = None) -> None:
     token = secret.from_env_or(args.secret_file)  # before the model loads: a missing secret fails fast
     if args.threads:
         torch.set_num_threads(args.threads)
+    lora = None
+    if args.lora:
+        from rlslurm.lora import LoraConfig
+
+        lora = LoraConfig.from_flag(args.lora)
     engine: Engine = HFEngine(args.model, device=args.device, dtype=args.dtype, version=args.version,
-                              name=args.name)
+                              name=args.name, lora=lora)
     limits = Limits(max_n=args.max_n, max_tokens=args.max_tokens, max_prompts=args.max_prompts,
                     max_prompt_tokens=args.max_prompt_tokens, max_batch_rows=args.max_batch_rows,
                     context_tokens=engine.context_tokens, vocab_size=engine.vocab_size)
@@ -399,7 +414,7 @@ def main(argv: list[str] | None = None) -> None:
     app = build_app(server, token, open_data=args.open_data_plane, max_body_bytes=int(args.max_body_mb * 2**20),
                     guard=guard)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                            timeout_graceful_shutdown=STOP_GRACE_S)
+                            timeout_graceful_shutdown=STOP_GRACE_S, http=connguard.protocol(token))
     try:
         _StoppingServer(config, server.batcher).run()
     finally:

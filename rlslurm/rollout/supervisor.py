@@ -7,7 +7,7 @@ it dies or hangs, within a budget (rollout.max_restarts).
     sup.stop()
 
 Modelled on the reward service's supervisor (rlslurm/reward/supervisor.py): the server is a child process
-started by one function (`launch`: rollout/client.py's spawn_engine, whatever server that starts), on a
+started by one function (`launch`: rollout/launcher.py's spawn_engine, whatever server that starts), on a
 port chosen once and kept, so the controller's client reaches the replacement at the same URL. A monitor
 thread checks every `rollout.health_interval_s`: a process that exited is replaced at once (event
 `engine_died`); one without a healthy /health answer for `rollout.hang_timeout_s` (SIGSTOP, a wedged loop,
@@ -45,8 +45,9 @@ from typing import Callable
 import psutil
 
 from rlslurm import events
-from rlslurm.rollout.client import EngineProcess, EngineRequestError, spawn_engine
+from rlslurm.rollout.client import EngineProcess, EngineRequestError
 from rlslurm.rollout.config import RolloutConfig
+from rlslurm.rollout.launcher import spawn_engine
 from rlslurm.rollout.vllm_metrics import ProgressWatch
 from rlslurm.rundir import RunDir
 

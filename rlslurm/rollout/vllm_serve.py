@@ -1,5 +1,5 @@
-"""`rollout.engine: vllm`: vLLM's own OpenAI server (`python -m vllm.entrypoints.openai.api_server`, what
-`vllm serve` runs) in the rollout venv, with its RL routes on and rlslurm's trust boundary in front.
+"""`rollout.engine: vllm`: vLLM's own OpenAI server (vLLM's `api_server` main, what `vllm serve` runs, started
+through rollout/vllm_api.py) in the rollout venv, with its RL routes on and rlslurm's trust boundary in front.
 
     proc = spawn_vllm_serve(model_dir, port=p, log_path=run.logs / "engine-0.log", secret_file=run.secret,
                             python=".venv-vllm/bin/python", tp=2)
@@ -19,6 +19,9 @@ What the server is started with, and why:
 - `--weight-transfer-config {"backend": "rlslurm"}` (rollout/vllm_transfer.py, registered through vLLM's
   plugin entry point) and `--worker-extension-cls` rollout/vllm_verify.py WorkerChecks: VERIFY reads what
   every worker serves (rlslurm/rollout/vllm_client.py says why that and not /weight_checker alone).
+- `-m rlslurm.rollout.vllm_api`: vLLM's main with uvicorn's HTTP protocol guarded (rlslurm/connguard.py: a
+  deadline and a size bound on each request's head, one answer per connection without the secret, at most 64
+  of those at once), which vLLM's own server options cannot express.
 - `--tensor-parallel-size rollout.tp`; on CPU, TP > 1 needs each worker's OpenMP threads bound to cores of
   its own (VLLM_CPU_OMP_THREADS_BIND="0|1") and a small --gpu-memory-utilization (on CPU: the share of host
   memory it reserves), or vLLM refuses to start (shared/notes/vllm-rl-api.md).
@@ -40,6 +43,8 @@ from rlslurm.rollout.bounds import Bounds
 from rlslurm.rollout.client import EngineProcess, EngineRequestError
 
 GATE = "rlslurm.rollout.vllm_serve.SecretGate"
+API_MODULE = "rlslurm.rollout.vllm_api"
+"""The module vLLM's server is started as: vLLM's main behind rlslurm's connection guard."""
 WORKER_EXTENSION = "rlslurm.rollout.vllm_verify.WorkerChecks"
 
 # What vLLM 0.32's OpenAI server mounts (VLLM_SERVER_DEV_MODE=1, a generate model; the gate logs the live list
@@ -174,10 +179,10 @@ class SecretGate(wire.Protect):
 def serve_command(model_dir: str | Path, *, python: str, host: str, port: int, tp: int = 1, name: str = "policy",
                   dtype: str = "float32", max_model_len: int | None = None,
                   gpu_memory_utilization: float | None = None, extra_args: list[str] | None = None) -> list[str]:
-    """argv of one vLLM OpenAI server: the server module `vllm serve` runs, so the venv's interpreter is explicit.
-    Not `vllm.entrypoints.cli.main serve`: on vllm-cpu it stops at start (importlib.metadata finds no
-    distribution named vllm: this one is vllm-cpu), and the module's own deprecation notice is only a warning."""
-    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+    """argv of one vLLM OpenAI server: the main `vllm serve` runs (through rollout/vllm_api.py, which guards its
+    connections first), so the venv's interpreter is explicit. Not `vllm.entrypoints.cli.main serve`: on vllm-cpu
+    it stops at start (importlib.metadata finds no distribution named vllm: this one is vllm-cpu)."""
+    cmd = [python, "-m", API_MODULE, "--model", str(model_dir),
            "--served-model-name", name, "--host", host, "--port", str(port), "--dtype", dtype,
            "--tensor-parallel-size", str(tp), "--middleware", GATE, "--worker-extension-cls", WORKER_EXTENSION,
            "--weight-transfer-config", json.dumps({"backend": "rlslurm"}), "--disable-uvicorn-access-log",
@@ -269,7 +274,7 @@ def _gpu_share() -> float | None:
 
 def spawn_for_server_args(model_dir: str | Path, *, server_args: list[str], env: dict[str, str] | None, tp: int,
                           **kwargs) -> EngineProcess:
-    """`spawn_vllm_serve` for rlslurm/rollout/client.py's spawn_engine: the job's limits from its server flags."""
+    """`spawn_vllm_serve` for rlslurm/rollout/launcher.py's spawn_engine: the job's limits from its server flags."""
     cpu = not _on_gpu()
     share = None if cpu else (env or {}).get("RLSLURM_GPU_MEMORY_UTILIZATION") or _gpu_share()
     return spawn_vllm_serve(model_dir, limits=limits_of(server_args), env=env, tp=tp, cpu=cpu,

@@ -207,9 +207,10 @@ def strigger_fini(job_id: str, program: Sequence[str], **kw) -> None:
     run(["strigger", "--set", f"--jobid={job_id}", "--fini", "--program=" + " ".join(program)], **kw)
 
 
-def scancel(job_id: str, *, signal: str | None = None, batch: bool = False, full: bool = False, **kw) -> None:
-    """`scancel [-s SIG] [-b|-f] ID`: with a signal, -b reaches the batch shell only, -f shell and steps,
-    neither the steps only; without a signal the job is cancelled."""
+def scancel(job_id: str, *, signal: str | None = None, batch: bool = False, full: bool = False,
+            state: str | None = None, **kw) -> None:
+    """`scancel [-s SIG] [-b|-f] [--state=S] ID`: with a signal, -b reaches the batch shell only, -f shell and
+    steps, neither the steps only; without a signal the job is cancelled. `state`: only a job in that state."""
     argv = ["scancel"]
     if signal:
         argv += ["-s", signal]
@@ -217,6 +218,8 @@ def scancel(job_id: str, *, signal: str | None = None, batch: bool = False, full
         argv.append("-b")
     if full:
         argv.append("-f")
+    if state:
+        argv.append(f"--state={state}")
     run([*argv, str(job_id)], **kw)
 
 
@@ -232,16 +235,35 @@ def srun_overlap(job_id: str, argv: Sequence[str], *, node: str, het_group: int 
 
 def srun_het_group(group: int, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
                    output: str | None = None, srun_args: Sequence[str] = ()) -> subprocess.Popen:
-    """Start `srun --het-group=G --unbuffered --kill-on-bad-exit=1 [SRUN_ARGS] [--output O] ARGV` from inside a
+    """Start `srun --het-group=G --unbuffered --kill-on-bad-exit=0 [SRUN_ARGS] [--output O] ARGV` from inside a
     het job and return at once: the step that runs component G's tasks for as long as they run (its
     owner waits on or stops the Popen; rlslurm/slurm/hetjob.py ComponentStep). `env` is the whole
-    environment of the step. SlurmCommandError when srun cannot be started."""
-    cmd = ["srun", f"--het-group={group}", "--unbuffered", "--kill-on-bad-exit=1", *srun_args]
+    environment of the step. SlurmCommandError when srun cannot be started.
+
+    --kill-on-bad-exit=0: the tasks of a component are peers that serve alone (one engine each), and one that
+    fails must not end the others (issue 38: an engine past its restart budget took the healthy one down).
+    The srun runs in a session of its own (`step_session`): SLURM's signals to the batch step never reach it."""
+    cmd = ["srun", f"--het-group={group}", "--unbuffered", "--kill-on-bad-exit=0", *srun_args]
     if output is not None:
         cmd += ["--output", str(output)]
     cmd = [str(a) for a in (*cmd, *argv)]
     log.info("slurm: %s", shlex.join(cmd))
     try:
-        return subprocess.Popen(cmd, env=dict(env) if env is not None else None)
+        return subprocess.Popen(cmd, env=dict(env) if env is not None else None, **step_session())
     except OSError as e:
         raise _error(cmd, None, "", f"cannot run: {e}") from e
+
+
+def step_session() -> dict:
+    """Popen's arguments for an srun started from the batch step (the trainer step, a component's step): a
+    session of its own.
+
+    Why: `scancel --signal=TERM --full` signals the batch step (its session: measured on 22.05, the steps'
+    tasks get nothing), and srun answers SIGTERM with "forcing job termination", a SIGKILL of every task of
+    its step that SLURM carries out at once: a rank never got to its drain checkpoint (issue 38). An srun in a
+    session of its own is not signalled; the trainer supervisor passes the SIGTERM on to every component's
+    tasks (rlslurm/slurm/supervisor.py), which drain. (A job's termination, a requeue, a preemption, the time
+    limit, signals every process of the job, this srun too: it says "forcing job termination" then as well,
+    but SLURM, ending the step already, leaves the tasks their KillWait: measured.) The srun still ends with
+    its step: its tasks end, at the latest at the end of the job."""
+    return {"start_new_session": True}

@@ -25,6 +25,11 @@ them), arms the lost-node triggers (rlslurm/slurm/rejoin.py), then runs the trai
 - anything else (an exception's exit 1, NO_PROGRESS, SLURM ending the job): leave; the job's exit-code
   contract (rlslurm/lifecycle.py) applies as before.
 
+SIGTERM to this process (a requeue, a preemption, the time limit, `scancel --signal=TERM --full`): no more
+restarts, and while SLURM holds the job RUNNING the signal is passed on to every component's tasks (`job_sigterm`),
+since `--full` reaches the batch step alone and every srun here runs in a session of its own (a srun that got it
+would SIGKILL its ranks: commands.step_session). A job whose ranks drained on it leaves with DRAINED (75).
+
 `--kill-on-bad-exit=1` on the trainer step: one dead rank ends the step at once, instead of its peers
 waiting in a gloo collective for train.dist_timeout_s. `--wait=train.exit_grace_s`, added here to the step's
 srun: a rank still running that long after the first clean exit (rank 0's, past the final barrier: the work is
@@ -110,7 +115,10 @@ class SrunStep:
     """One run of the trainer step: srun's stderr passed through to ours (the batch log) and kept for parsing."""
 
     def __init__(self, argv: Sequence[str], env: dict[str, str], keep_lines: int = 2000):
-        self.proc = subprocess.Popen(list(argv), env=env, stderr=subprocess.PIPE, text=True, errors="replace")
+        # A session of its own: SLURM's SIGTERM to the batch step must not reach srun, which would SIGKILL the
+        # ranks ("forcing job termination") before they drain (commands.step_session; _on_term passes it on).
+        self.proc = subprocess.Popen(list(argv), env=env, stderr=subprocess.PIPE, text=True, errors="replace",
+                                     **commands.step_session())
         self.lines: collections.deque[str] = collections.deque(maxlen=keep_lines)  # bounded: srun's own lines
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -181,19 +189,53 @@ class TrainerSupervisor:
         self.stopping = False
         self.leader = lifecycle.leader_job_id()
         self.restart_count = lifecycle.restart_count()
+        self.allocation_started = time.time()
 
     def _on_term(self, signum, frame) -> None:
-        # SLURM signals the steps itself (and SIGKILLs after KillWait); this process only stops restarting.
-        log.info("SIGTERM: SLURM is ending the job; no further trainer restarts")
+        # SLURM sent SIGTERM to the batch step: a requeue, a preemption or the time limit (which signal the steps
+        # too, and SIGKILL after KillWait), or `scancel --signal=TERM --full` (the batch step alone: measured on
+        # 22.05, no task gets it, and the sruns, in sessions of their own, do not either). So this process passes
+        # it on to every component's tasks while the job runs: every rank and role drains (issue 38). No more
+        # restarts.
+        log.info("SIGTERM: SLURM is ending or stopping the job; passing it on to every component's tasks; no "
+                 "further trainer restarts")
+        if not self.stopping:
+            threading.Thread(target=self._pass_sigterm_on, name="sigterm-relay", daemon=True).start()
         self.stopping = True
+
+    def _pass_sigterm_on(self) -> None:
+        """`scancel --signal=TERM --state=RUNNING <component>` (steps only, never the batch step) of every
+        component, while SLURM holds the job running: a job SLURM is requeueing or ending signals its tasks
+        itself, and a signal to a job that is pending again (a requeue that went fast) must not touch it."""
+        ids = self.component_ids()
+        state = self.job_state()
+        relayed: dict[str, str] = {}
+        for job_id in ids:
+            if state not in (None, "RUNNING"):
+                relayed[job_id] = f"not needed: SLURM holds the job {state} and signals its tasks itself"
+                continue
+            try:
+                commands.scancel(job_id, signal="TERM", state="RUNNING")
+                relayed[job_id] = "signalled"
+            except SlurmCommandError as e:  # a job SLURM ends already may refuse it: its tasks have SIGTERM
+                relayed[job_id] = f"refused: {e}"
+        events.emit(self.run, events.JOB_SIGTERM, role="supervisor", components=ids, relayed=relayed,
+                    restart_count=self.restart_count)
+
+    def component_ids(self) -> list[str]:
+        """SLURM's id of every component of the job (the leader's alone for a plain job)."""
+        from rlslurm.slurm import hetjob
+
+        if "SLURM_HET_SIZE" in os.environ:
+            return [c.job_id for c in hetjob.context().components]
+        return [self.leader] if self.leader else []
 
     def _on_usr1(self, signum, frame) -> None:
         # `scancel -b -s USR1` reaches the batch shell only: it asks for the drain, as it did of the bare srun's
         # shell before (whose default action was to die); the ranks' drain gates read the file.
-        from rlslurm.diag.drain_gate import DRAIN_FILE
+        from rlslurm.diag.drain_gate import request_drain
 
-        log.info("USR1: drain requested (%s)", self.run.control / DRAIN_FILE)
-        (self.run.control / DRAIN_FILE).touch()
+        log.info("USR1: drain requested (%s)", request_drain(self.run, "SIGUSR1 to the batch shell"))
 
     def job_state(self) -> str | None:
         try:
@@ -236,7 +278,16 @@ class TrainerSupervisor:
             if not self._left_to_slurm(verdict, started):
                 for comp in components:
                     comp.stop(timeout_s=30)
+        if code == 0 and self.stopping and self._drained_on_sigterm():
+            # The ranks' own exit is 0 (submitit's), and SLURM would call a job that drained on its SIGTERM without
+            # ending it (`scancel --signal=TERM --full`) COMPLETED: the job contract's DRAINED says what it is.
+            return lifecycle.ExitCode.DRAINED
         return code
+
+    def _drained_on_sigterm(self) -> bool:
+        """Whether the ranks of this allocation drained on SLURM's SIGTERM (its `drained` event)."""
+        return any(e.get("signal") == "SIGTERM" and e.get("t", 0) >= self.allocation_started
+                   for e in events.read_events(self.run, events.DRAINED))
 
     def _outlived(self, stderr: str, ends: Sequence[parse.TaskEnd]) -> bool:
         """Whether srun's --wait ended ranks that outlived rank 0's clean exit (then each is named); with

@@ -25,14 +25,23 @@ out of the page cache, no temporary tensors, no mmap page faults (which cost mor
 prune the file while it is mapped. vLLM's workers map each shard and hand its tensors to the model's own
 `load_weights`, which copies them into vLLM's parameters (rollout/vllm_transfer.py).
 Old versions are pruned on a background thread once the engines have loaded the new one.
+
+What an engine reads is named by a request (/admin/update/disk, vLLM's /update_weights), so each file is opened
+as one that may be hostile (`open_regular`): not through a link, only a regular file (a FIFO would block the
+read, /dev/zero or a huge file would fill memory: the old server answered 500 MemoryError), an index of at most
+MAX_INDEX_BYTES and a safetensors header of at most MAX_HEADER_BYTES, both read as bounded JSON, and shard names
+that are plain file names of the version's directory.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
+import re
 import shutil
+import stat
 import struct
 import threading
 import time
@@ -43,6 +52,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 from safetensors.torch import load_file
 
+from rlslurm import safejson
 from rlslurm.sync.buckets import Entry, Fault, plan_buckets
 from rlslurm.sync.checksum import PIECE_BYTES, Checksum, raw_bytes
 
@@ -60,6 +70,13 @@ _DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat
            "U16": "uint16", "U32": "uint32", "U64": "uint64", "F8_E4M3": "float8_e4m3fn",
            "F8_E5M2": "float8_e5m2"}
 _SAFETENSORS_DTYPES = {torch_name: name for name, torch_name in _DTYPES.items()}
+
+MAX_INDEX_BYTES = 64 << 20
+"""Largest model.safetensors.index.json read (10^5 tensors' names: a few MB)."""
+MAX_HEADER_BYTES = 100_000_000
+"""Largest safetensors header read: the safetensors library's own limit."""
+SHARD_NAME = re.compile(r"^[A-Za-z0-9._-]{1,255}\.safetensors$")
+"""A shard is a plain file of the version's directory: no path separator, no `..`."""
 
 OnShard = Callable[[Path, str], None]
 """on_shard(directory, file name): a shard is complete in `directory` (still the version's temporary one)."""
@@ -131,12 +148,49 @@ def write_weights(tensors: Mapping[str, torch.Tensor], root: Path, version: int,
     return final
 
 
+def open_regular(path: str | Path):
+    """`path` opened for reading (an unbuffered binary file), only if it is a regular file and not a link;
+    ValueError naming what it is otherwise (FileNotFoundError if absent). A FIFO is opened without blocking."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as e:  # ELOOP: the name is a link
+        what = "a symbolic link" if Path(path).is_symlink() else type(e).__name__
+        raise ValueError(f"{path}: {what}; a weight sync reads only the regular files it wrote") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        kind = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+                stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a directory"}.get(stat.S_IFMT(info.st_mode), "not a file")
+        raise ValueError(f"{path}: {kind}; a weight sync reads only the regular files it wrote")
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    return os.fdopen(fd, "rb", buffering=0)
+
+
+def check_shard_name(name: str) -> str:
+    """`name` if it is a plain safetensors file name; ValueError otherwise (a request names shards)."""
+    if not isinstance(name, str) or not SHARD_NAME.match(name) or name.startswith("."):
+        raise ValueError(f"shard {str(name)[:80]!r} is not a plain *.safetensors file name of the version's directory")
+    return name
+
+
 def shard_files(path: str | Path) -> list[str]:
     """The safetensors files of a written version, in write order (its index's, or the one unsharded file)."""
     index = Path(path) / INDEX_FILE
-    if not index.exists():
+    if not index.exists() and not index.is_symlink():
         return [WEIGHTS_FILE]
-    return list(dict.fromkeys(json.loads(index.read_text())["weight_map"].values()))
+    with open_regular(index) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > MAX_INDEX_BYTES:
+            raise ValueError(f"{index}: {size} bytes, over the {MAX_INDEX_BYTES} an index may have")
+        try:
+            weight_map = safejson.loads(f.read(MAX_INDEX_BYTES + 1))["weight_map"]
+            files = list(dict.fromkeys(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index}: not an index of safetensors shards ({type(e).__name__}: {str(e)[:120]})") \
+                from None
+    return [check_shard_name(file) for file in files]
 
 
 def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str],
@@ -187,23 +241,41 @@ def read_weights(path: str | Path, files: Sequence[str] | None = None) -> dict[s
     before pruning)."""
     out: dict[str, torch.Tensor] = {}
     for file in files or shard_files(path):
-        out.update(load_file(str(Path(path) / file)))
+        with open_regular(Path(path) / check_shard_name(file)) as f:
+            # Through the descriptor checked above: the name cannot be swapped for a link or a FIFO meanwhile.
+            out.update(load_file(f"/proc/self/fd/{f.fileno()}"))
     return out
 
 
 def read_header(f) -> tuple[list[dict], list[tuple[int, int]]]:
     """(manifest, absolute (start, end) byte range of each tensor) of an open safetensors file."""
-    (size,) = struct.unpack("<Q", f.read(8))
-    header = json.loads(f.read(size))
+    head = f.read(8)
+    if len(head) != 8:
+        raise ValueError(f"{f.name}: {len(head)} bytes, not a safetensors file")
+    (size,) = struct.unpack("<Q", head)
+    room = os.fstat(f.fileno()).st_size - 8
+    if size > min(MAX_HEADER_BYTES, room):
+        raise ValueError(f"{f.name}: a header of {size} bytes, over {min(MAX_HEADER_BYTES, room)} (the file's size, "
+                         f"and {MAX_HEADER_BYTES}, safetensors' own limit): not a safetensors file")
+    try:
+        header = safejson.loads(f.read(size))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{f.name}: a safetensors header that is no JSON object ({str(e)[:120]})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{f.name}: a safetensors header that is no JSON object")
     header.pop("__metadata__", None)
-    items = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])  # file order
-    manifest, ranges = [], []
-    for name, info in items:
-        if info["dtype"] not in _DTYPES:
-            raise ValueError(f"{f.name}: tensor {name!r} has dtype {info['dtype']}, which the sync does not read")
-        manifest.append({"name": name, "dtype": _DTYPES[info["dtype"]], "shape": info["shape"]})
-        start, end = info["data_offsets"]
-        ranges.append((8 + size + start, 8 + size + end))
+    try:
+        items = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])  # file order
+        manifest, ranges = [], []
+        for name, info in items:
+            if info["dtype"] not in _DTYPES:
+                raise ValueError(f"{f.name}: tensor {name!r} has dtype {info['dtype']}, which the sync does not read")
+            manifest.append({"name": name, "dtype": _DTYPES[info["dtype"]], "shape": info["shape"]})
+            start, end = info["data_offsets"]
+            ranges.append((8 + size + int(start), 8 + size + int(end)))
+    except (KeyError, TypeError, IndexError) as e:
+        raise ValueError(f"{f.name}: a safetensors header entry without dtype, shape and data_offsets "
+                         f"({type(e).__name__}: {str(e)[:80]})") from None
     return manifest, ranges
 
 
@@ -212,16 +284,19 @@ def receive(path: str | Path, landing, bucket_bytes: int = LANDING_BUCKET_BYTES,
     """Engine side: read every tensor of the version at `path` (or of its shards `files` only) into
     `landing`, piece by piece, each piece checksummed right after it was read (staged landings); returns
     bytes. In place (vLLM's workers): each shard's mapped tensors in one load (one call into the model)."""
-    files = list(files or shard_files(path))
+    files = [check_shard_name(file) for file in files or shard_files(path)]
     if not landing.staged:
         return sum(landing.land_named(read_weights(path, [file])) for file in files)
     total, index = 0, 0
     for file in files:
-        with open(Path(path) / file, "rb", buffering=0) as f:
+        with open_regular(Path(path) / file) as f:
             manifest, ranges = read_header(f)
             where = {m["name"]: r for m, r in zip(manifest, ranges)}
             for m, (start, end) in zip(manifest, ranges):
-                need = Entry(m["name"], m["dtype"], tuple(m["shape"])).nbytes
+                try:
+                    need = Entry(m["name"], m["dtype"], tuple(int(d) for d in m["shape"])).nbytes
+                except (TypeError, ValueError):
+                    raise ValueError(f"{f.name}: tensor {str(m['name'])[:80]!r}: a shape of no whole numbers") from None
                 if end - start != need:
                     raise ValueError(f"{f.name}: tensor {m['name']!r} has {end - start} bytes, its shape needs {need}")
 

@@ -28,11 +28,10 @@ in place (other engines, e.g. vLLM, or --no-keep-previous): each bucket is loade
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from typing import Callable, Iterable, Iterator, Mapping, Protocol
 
 import torch
 
-from rlslurm.rollout.engine import Engine, WeightLoadError
 from rlslurm.sync.broadcast import PIPELINE_DEPTH
 from rlslurm.sync.buckets import Bucket, Entry, manifest_of, plan_buckets, unflatten
 from rlslurm.sync.checksum import PIECE_BYTES, Checksum, finish as finish_checksums, raw_bytes
@@ -41,17 +40,38 @@ SCRATCH_SLOTS = PIPELINE_DEPTH  # in place: buckets the broadcast receives ahead
 LANDED_BUCKET_BYTES = 16 * 2**20  # staged: buffer size for tensors that arrive one by one
 
 
+class WeightLoadError(ValueError):
+    """An update names a tensor the engine does not serve, or gives it the wrong shape or dtype."""
+
+
+class Engine(Protocol):
+    """What a landing uses of the engine it lands on (rlslurm/rollout/engine.py's Engine has it all; vLLM's
+    worker-side model in rollout/vllm_transfer.py the in-place part)."""
+
+    model_name: str
+    adopts_weights: bool
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> object: ...
+
+    def adopt_weights(self, named: dict[str, torch.Tensor]) -> object: ...
+
+
 class BufferPool:
     """Weight memory of an engine that stages updates: the buckets it serves from, and spare ones.
 
     Lifecycle: a landing `take`s spare buffers (or allocates); `commit` makes its buffers the served
     set and the previously served set the spare one; `drop` makes its buffers spare. Only one spare
-    set is kept, so memory stays at two versions of the weights.
+    set is kept, so memory stays at two versions of the weights. An update of some tensors only (train.lora:
+    the adapters, after a first sync of everything) retires only the served buffers none of whose tensors is
+    still served: a buffer that holds the frozen base stays served, however many adapter updates follow.
     """
 
     def __init__(self) -> None:
         self.serving: list[torch.Tensor] = []
         self._spare: list[torch.Tensor] = []
+        self._held: list[set[str] | None] = []  # per serving buffer: the names still served from it (None: all)
 
     def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
         for k, buf in enumerate(self._spare):
@@ -59,8 +79,21 @@ class BufferPool:
                 return self._spare.pop(k)  # already faulted in: no page faults, no allocator call
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
-    def commit(self, buffers: list[torch.Tensor]) -> None:
-        self._spare, self.serving = self.serving, list(buffers)
+    def commit(self, buffers: list[torch.Tensor], names: list[set[str]] | None = None,
+               served: set[str] | None = None) -> None:
+        """`buffers` serve from now on. `names`: each one's tensors, and `served`: every name the engine serves;
+        given both and the update does not replace every served tensor, only wholly replaced buffers retire."""
+        if names is None or served is None or set().union(*names) >= served:
+            self._spare, self.serving, self._held = self.serving, list(buffers), [None] * len(buffers)
+            return
+        replaced = set().union(*names)
+        kept, held, retired = [], [], []
+        for buf, left in zip(self.serving, self._held):
+            left = (served if left is None else left) - replaced
+            (kept if left else retired).append(buf)
+            if left:
+                held.append(left)
+        self._spare, self.serving, self._held = retired, kept + list(buffers), held + [set(n) for n in names]
 
     def drop(self, buffers: list[torch.Tensor]) -> None:
         self._spare = list(buffers)
@@ -87,6 +120,7 @@ class Landing:
         self.device = next(iter(self.served.values())).device if self.served else torch.device("cpu")
         self.tensors: dict[str, torch.Tensor] = {}  # staged: name -> view into one of self.buffers
         self.buffers: dict[int, torch.Tensor] = {}  # staged: bucket index -> its buffer
+        self.names: dict[int, set[str]] = {}  # staged: bucket index -> the tensors it holds
         self.sums: dict[str, Checksum] = {}
         self.checksums: dict[str, str] | None = {} if staged else None
         self.bytes = 0
@@ -172,6 +206,9 @@ class Landing:
 
     def _stage(self, named: dict[str, torch.Tensor]) -> int:
         self.tensors.update(named)
+        for index, buf in self.buffers.items():  # which bucket these views are of
+            if named and next(iter(named.values())).untyped_storage().data_ptr() == buf.untyped_storage().data_ptr():
+                self.names.setdefault(index, set()).update(named)
         return self._count(named)
 
     def _load(self, named: dict[str, torch.Tensor]) -> int:
@@ -205,7 +242,9 @@ class Landing:
         engine's lock); the served set this retires becomes the next update's spare buffers."""
         if self.staged and self.open:
             self.engine.adopt_weights(self.tensors)
-            self.pool.commit([self.buffers[i] for i in sorted(self.buffers)])
+            order = sorted(self.buffers)
+            self.pool.commit([self.buffers[i] for i in order], [self.names.get(i, set()) for i in order],
+                             set(self.served))
         self._close()
 
     def drop(self) -> None:
@@ -216,4 +255,4 @@ class Landing:
 
     def _close(self) -> None:
         self.open = False
-        self.tensors, self.buffers, self.sums, self._scratch = {}, {}, {}, []
+        self.tensors, self.buffers, self.sums, self._scratch, self.names = {}, {}, {}, [], {}

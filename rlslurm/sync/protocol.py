@@ -91,6 +91,16 @@ class SyncReport:
         return out
 
 
+class Update(dict):
+    """The tensors one sync sends, and the checksums of the served tensors it leaves as they are (train.lora: the
+    frozen base, rlslurm/lora.py): VERIFY holds the engines to both, so an update of some tensors still names
+    every tensor served (an engine refuses an expectation that leaves one out)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], unchanged: Mapping[str, str]):
+        super().__init__(tensors)
+        self.unchanged = dict(unchanged)
+
+
 class WeightSync:
     """DRAIN -> UPDATE -> VERIFY -> RESUME over `engines` (EngineClient-like) with one transport."""
 
@@ -127,7 +137,7 @@ class WeightSync:
                 break
             if expected is None:  # the trainer's side of the checksums: its last step, like the engines'
                 started = self.clock()
-                expected = self._expected(tensors, sums)
+                expected = {**getattr(tensors, "unchanged", {}), **self._expected(tensors, sums)}
                 report.stages["update"].seconds += self.clock() - started
             answers = self._stage(report, "verify", lambda expected=expected: self._verify(expected, timeout_s))
             report.stages["verify"].bytes += nbytes * (len(self.engines) + 1)

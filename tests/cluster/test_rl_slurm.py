@@ -28,6 +28,7 @@ import yaml
 from click.testing import CliRunner
 
 import spine_util as su
+from metric_rows import assert_one_key_set
 from rlslurm import launch
 from rlslurm.checkpoint import PAUSE_ENV, latest_complete, step_dirname
 from rlslurm.cli.main import cli
@@ -118,8 +119,14 @@ def assert_synced_every_step(run: Path, method: str, total: int = STEPS) -> None
     rows = steps(run)
     assert sorted({m["step"] for m in rows}) == list(range(1, total + 1))
     assert all(m["policy_version"] == m["step"] and m["staleness_max"] == 0 for m in rows)
-    assert max(m["engine_trainer_logprob_gap"] for m in rows) < 1e-3
-    assert sum(m["effective_samples"] for m in rows) > 0 and any(m["loss"] != 0.0 for m in rows)
+    # Which steps have a trainable sample (a group with a right and a wrong answer) depends on the SFT start,
+    # which depends on the CPU's kernel path (issue 42: on an AVX-512 machine step 17 had none). What holds
+    # for any start: some step trained, and every step that did scored the engine's samples with its weights.
+    trained = [m for m in rows if m["trained"]]
+    assert trained and any(m["loss"] != 0.0 for m in trained)
+    assert max(m["engine_trainer_logprob_gap"] for m in trained) < 1e-3
+    assert all(m["effective_samples"] == 0 for m in rows if not m["trained"])
+    assert_one_key_set(rows)
     (done,) = su.events(run, "done")
     assert (done["step"], done["policy_version"]) == (total, total)
 
@@ -309,8 +316,10 @@ def test_megatron_het_job_syncs_every_step_and_a_drained_one_resumes_to_its_traj
     reference = megatron_reference
     assert_separate_placement(reference)
     assert_synced_every_step(reference, "broadcast", MEGATRON_STEPS)
-    # Megatron trained: its policy's memory figure in every step, its optimizer shards in the checkpoint.
-    assert all(m["train_peak_rss_gb"] > 0 for m in steps(reference))
+    # Megatron trained: its policy's memory measured (the steps diag.memory_every_steps meters), its optimizer
+    # shards in the checkpoint.
+    metered = [m for m in steps(reference) if m["mem_metered"]]
+    assert metered and all(m["trainer_peak_gb"] > 0 and m["rss_peak_gb"] > 0 for m in metered), metered
     files = latest_complete(RunDir(reference), tidy=False).manifest["files"]
     assert {"optimizer-rank00000.pt", "optimizer-rank00001.pt"} <= set(files), files
 

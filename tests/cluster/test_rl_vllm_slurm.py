@@ -80,7 +80,7 @@ def test_rl_het_job_on_vllm_serve(slurm_cluster, sft_export, tmp_path):
     engine = su.wait_for("the engine announced serving", lambda: (e := json.loads(
         (run / "endpoints" / "engine-0.json").read_text())).get("state") == "serving" and e, 60, poll_s=0.25)
     server = psutil.Process(engine["pid"])
-    assert server.cmdline()[:3] == [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server"], server.cmdline()
+    assert server.cmdline()[:3] == [str(VLLM_PYTHON), "-m", "rlslurm.rollout.vllm_api"], server.cmdline()
     (task,) = su.placements(run, "rollout")
     assert server.ppid() == task["pid"]
     su.wait_done(sub.job_id, run, rl.JOB_TIMEOUT_S, slurm_cluster.kick)

@@ -53,7 +53,7 @@ def outcome(run: Path) -> dict:
     assert sorted(e["rank"] for e in finished) == [0, 1] and len({e["weights_sha256"] for e in finished}) == 1
     (evaluated,) = [m for m in read_jsonl(RunDir(run).metrics) if m.get("kind") == "sft_eval"]
     assert (Path(evaluated["export"]) / "model.safetensors").is_file()
-    return {"weights_sha256": finished[0]["weights_sha256"], "correct": evaluated["heldout_correct"]}
+    return {"weights_sha256": finished[0]["weights_sha256"], "correct": evaluated["held_out_correct"]}
 
 
 def test_sft_requeued_by_slurm_resumes_and_ends_like_the_run_off_slurm(slurm_cluster, tmp_path):

@@ -23,7 +23,7 @@ def init_and_run(tmp_path) -> tuple[str, str]:
 
 @pytest.fixture(scope="session")
 def sft(tmp_path_factory) -> dict:
-    """{job, eval (the sft_eval metrics line: heldout_accuracy, export, ...), export, run_dir}."""
+    """{job, eval (the sft_eval metrics line: held_out_accuracy, export, ...), export, run_dir}."""
     job, run_dir = submit_example("tiny-sft.yaml", tmp_path_factory.mktemp("sft"))
     (sft_eval,) = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("kind") == "sft_eval"]
     return {"job": job, "eval": sft_eval, "export": sft_eval["export"], "run_dir": run_dir}

@@ -63,7 +63,7 @@ PROMPTS = ["abc", "2 + 3 =", "hello", "the cat sat", "xyz", "7 + 1 ="]
 def start_engine(model_dir: Path, log_dir: Path, *extra: str, **kwargs):
     """A real engine server process on a free loopback port (1 torch thread: the host is small); `extra`
     are more server flags."""
-    from rlslurm.rollout.client import spawn_engine
+    from rlslurm.rollout.launcher import spawn_engine
     from rlslurm.sync.broadcast import free_port
 
     return spawn_engine(model_dir, port=free_port(), log_path=log_dir / "engine.log",

@@ -6,6 +6,8 @@ caller's queued work never run, a wedged generation loop seen by /health, and SI
 from __future__ import annotations
 
 import base64
+import json
+import os
 import signal
 import threading
 import time
@@ -16,6 +18,7 @@ import pytest
 
 import hostile_bodies
 from hostile_bodies import HOSTILE, SERVER_FLAGS
+from hostile_conns import PeakRSS
 from rlslurm.rollout.engine import HFEngine
 from rlslurm.rollout.server import EngineServer, build_app
 from rlslurm.secret import bearer
@@ -37,6 +40,14 @@ def model(tmp_path_factory) -> Path:
 def engine(model, tmp_path_factory):
     """Limits small enough to reach; the data plane closed (the default)."""
     proc = start_engine(model, tmp_path_factory.mktemp("logs"), *LIMITS)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def roomy(model, tmp_path_factory):
+    """The default body limit (16 MiB): room for a prompt far longer than the model's context (128 tokens)."""
+    proc = start_engine(model, tmp_path_factory.mktemp("logs"))
     yield proc
     proc.stop()
 
@@ -124,6 +135,40 @@ def test_every_admin_route_works_with_the_secret(engine, model, tmp_path):
     assert client.post("/admin/update/disk", json={"path": str(version)}).status_code == 200
     assert client.post("/admin/verify", json={"expected": checksums(weights(tiny_llama(0)).items())}).json()["ok"]
     assert client.post("/admin/resume", json={"version": 0}).json()["state"] == "serving"
+
+
+def test_update_disk_reads_only_regular_files_and_bounded_headers(engine, tmp_path):
+    """Issue 37: /admin/update/disk at a version whose files are links to a huge or special file answered 500
+    MemoryError (or hung on a FIFO). Each case now is a 400 naming the file, within seconds, and the engine goes
+    on serving its verified weights."""
+    cases = {}
+
+    def version(name: str) -> Path:
+        cases[name] = tmp_path / name
+        cases[name].mkdir()
+        return cases[name]
+
+    os.mkfifo(version("fifo") / "model.safetensors")
+    (version("link") / "model.safetensors").symlink_to("/dev/zero")
+    huge = version("huge-header") / "model.safetensors"
+    huge.write_bytes((1 << 40).to_bytes(8, "little") + b"{}")  # declares a 1 TiB header
+    (version("fifo-index") / "model.safetensors.index.json").symlink_to(cases["fifo"] / "model.safetensors")
+    (version("deep-header") / "model.safetensors").write_bytes((20_000).to_bytes(8, "little") + b"[" * 10_000
+                                                               + b"]" * 10_000)
+    (version("escape") / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"lm_head.weight": "../huge-header/model.safetensors"}}))
+    said = {"fifo": "a FIFO", "link": "a symbolic link", "huge-header": "a header of 1099511627776 bytes",
+            "fifo-index": "a symbolic link", "deep-header": "nested deeper", "escape": "not a plain"}
+    client = http(engine, timeout_s=20)
+    assert client.post("/admin/drain", json={"timeout_s": 10}).status_code == 200
+    try:
+        for name, path in cases.items():
+            r = client.post("/admin/update/disk", json={"path": str(path)})
+            assert r.status_code == 400 and said[name] in r.text, (name, r.status_code, r.text[:300])
+    finally:
+        assert client.post("/admin/rollback").status_code == 200
+        assert client.post("/admin/resume", json={"version": 0}).json()["state"] == "serving"
+    assert client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2}).status_code == 200
 
 
 def test_the_data_plane_needs_the_secret_and_health_tells_nothing_secret(engine):
@@ -248,6 +293,15 @@ def test_hostile_numbers_in_every_json_type_are_a_400(engine, fragment, named):
     assert named in r.json()["error"]["message"], (fragment, r.json())
 
 
+@pytest.mark.parametrize("hostile, named", [
+    (b'{"prompt": "abc", "x": ' + b"[" * 20_000 + b"]" * 20_000 + b"}", "nested deeper"),
+    (b'{"prompt": "abc", "max_tokens": ' + b"9" * 20_000 + b"}", "digits"),
+])
+def test_hostile_json_is_a_400_that_says_why(roomy, hostile, named):
+    r = http(roomy).post("/v1/completions", content=hostile, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and named in r.json()["error"]["message"], r.text[:300]
+
+
 def test_an_integral_float_within_bounds_is_served(engine):
     r = http(engine).post("/v1/completions", json={"prompt": "abc", "n": 2.0, "max_tokens": 3.0, "logprobs": 1.0})
     assert r.status_code == 200, r.text
@@ -264,6 +318,23 @@ def test_a_body_past_its_limit_is_413_declared_or_streamed(engine):
     streamed = http(engine).post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
     assert streamed.status_code == 413
     assert http(engine, None).post("/v1/completions", json=big).status_code == 401  # auth first, body unread
+
+
+def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_tokenized(roomy):
+    """Issue 37: the engine tokenized a whole prompt before it compared it with the context (one 15 MiB prompt:
+    37 s and +4.1 GB). A 6 MiB one now is refused by its bytes, in milliseconds, and the server grows by little
+    more than the body it read; a prompt near the bound is still tokenized and measured in tokens."""
+    with PeakRSS(roomy.proc.pid) as memory:
+        started = time.monotonic()
+        r = http(roomy).post("/v1/completions", json={"prompt": "a" * (6 << 20), "max_tokens": 2})
+        took = time.monotonic() - started
+    print(f"FIGURE long_prompt_hf: a 6 MiB prompt refused in {took * 1000:.0f} ms, RSS {memory.base_mib:.0f} -> "
+          f"peak {memory.peak_mib:.0f} MiB (+{memory.growth_mib:.0f}), load {os.getloadavg()[0]:.2f}")
+    assert r.status_code == 400 and "refused before tokenizing" in r.text and "6.3 MB" in r.text, r.text[:300]
+    assert took < 5 and memory.growth_mib < 200, (took, memory.growth_mib)
+    near = http(roomy).post("/v1/completions", json={"prompt": "a" * 200, "max_tokens": 2})
+    assert near.status_code == 400 and "over the model's context of 128 tokens" in near.text, near.text[:300]
+    assert http(roomy).post("/v1/completions", json={"prompt": "a" * 100, "max_tokens": 2}).status_code == 200
 
 
 def _post_in_thread(proc, body: dict, out: list, timeout_s: float = 60) -> threading.Thread:

@@ -12,38 +12,24 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from installed import ROOT, build_wheel
+
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
 SMALL = "model.layers=2 model.hidden=128 model.heads=4 model.kv_heads=2 model.ffn_hidden=256"
 """The job's model, cut down for two shared CPU cores (the box runs examples/tiny-grpo-gpu.yaml as it is). The
 batch stays: 8 prompts x 16 samples, enough that some answers of a random model are right and the step
 trains (4 x 4 trained nothing: no logprob gap to report)."""
 
 
-def _wheel_of_this_repo(into: Path) -> Path:
-    """rlslurm's wheel, built offline from a copy of its sources (the checkout gets no build/ or egg-info)."""
-    src = into.parent / "src"
-    for name in ("rlslurm", "jobs", "diag"):
-        shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(ROOT / name, src / name)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--disable-pip-version-check", "-q", "--no-deps",
-                    "--no-build-isolation", "--no-index", "-w", str(into), str(src)], check=True, timeout=300)
-    (wheel,) = into.glob("rlslurm-*.whl")
-    return wheel
-
-
 def test_gpu_check_runs_on_cpu_from_carried_wheels_and_writes_its_json(tmp_path):
     wheels = tmp_path / "whl"
-    _wheel_of_this_repo(wheels)
+    build_wheel(wheels)  # the wheel CI installs and runs from outside the checkout (tests/installed.py)
     out = tmp_path / "out"
     env = {**os.environ, "GPU_CHECK_PYTHON": sys.executable, "GPU_CHECK_WHEELS": str(wheels),
            "GPU_CHECK_SET": SMALL, "GPU_CHECK_BUDGET_S": "500",

@@ -84,7 +84,7 @@ def test_spawned_engines_see_their_own_gpus_and_the_network_environment(init_and
 def test_reward_service_gets_the_network_environment_and_no_gpu(tmp_path, monkeypatch):
     from rlslurm.reward.config import RewardConfig
     from rlslurm.reward.supervisor import RewardSupervisor
-    from rlslurm.rl.controller import reward_env
+    from rlslurm.rl.scoring import reward_env
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     job = load_config(EXAMPLE, GPU_JOB)

@@ -16,7 +16,8 @@ import pytest
 
 from rlslurm import launch
 from rlslurm.config import load_config
-from rlslurm.plan.report import build_plan, render_json
+from rlslurm.plan.render import render_json
+from rlslurm.plan.report import build_plan
 from rlslurm.rundir import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]

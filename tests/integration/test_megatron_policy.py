@@ -28,6 +28,7 @@ import torch
 import torch.multiprocessing as mp
 
 from rlslurm.config import JobConfig
+from rlslurm.logprobs import CausalLMScorer
 from rlslurm.modelspec import ModelConfig
 from rlslurm.rl.experience import Sample
 from rlslurm.rl.objective import behaviour_logprobs, grpo_objective, pack
@@ -84,7 +85,7 @@ def test_objective_is_the_torch_policy_loss(tmp_path, stale):
     batch = pack(samples, PAD_ID)
     ids = torch.cat([batch.tokens, batch.labels[:, -1:]], dim=1)
     with torch.no_grad():
-        new = Policy._logprobs(policy.model, ids, (ids != PAD_ID).long())
+        new = CausalLMScorer(policy.model, fused=False)(ids, (ids != PAD_ID).long())
     behaviour = behaviour_logprobs(batch, new)
     # Two micro-batches of a share: each is divided by the share's size, so they add up.
     ours = sum(float(grpo_objective(new[a:b], behaviour[a:b], batch.rows(a, b), 0.2, len(samples)))
@@ -155,60 +156,125 @@ def test_megatron_logprobs_match_transformers_on_cpu(tmp_path):
     batch = pack(_samples(), PAD_ID)
     ids = torch.cat([batch.tokens, batch.labels[:, -1:]], dim=1)
     with torch.no_grad():
-        hf = Policy._logprobs(policy.model, ids, torch.ones_like(ids))
+        hf = CausalLMScorer(policy.model, fused=False)(ids, torch.ones_like(ids))
     mask = batch.mask > 0
     diff = (megatron[mask] - hf[mask]).abs().max().item()
     assert diff < 1e-4, diff
 
 
-def _split_job(**train) -> JobConfig:
-    """Two mini-batches of the six samples ([3, 3]), forwards of two sequences: micro-batches [2, 1] each."""
+def _fused_worker(rank: int, world: int, port: int, model_dir: str, out: str):
+    """Plain (Megatron's vocab-parallel cross entropy) and fused (rlslurm/logprobs.py's chunked LM head) log-probs
+    and weight gradients of one GPTModel split over `world` tensor-parallel ranks (real gloo)."""
+    from rlslurm.dist import Topology, init_process_group
+    from rlslurm.megatron.convert import Layout, SafetensorsDir, load_hf_into
+    from rlslurm.megatron.model import build_gpt_model, init_parallel
+    from rlslurm.megatron.policy import hf_model_spec, token_logprobs
+
+    init_process_group(Topology(rank, world, 0, "127.0.0.1", port), timeout_s=60)
+    spec, eps = hf_model_spec(model_dir)
+    layout = Layout(tp=world)
+    init_parallel(layout, seed=1)
+    gpt = build_gpt_model(spec, layout, parallel_output=True, layernorm_epsilon=eps)
+    load_hf_into(gpt, SafetensorsDir(model_dir), spec, layout)
+    batch = pack(_samples(), PAD_ID)
+    found = {}
+    for fused in (False, True):
+        gpt.zero_grad(set_to_none=True)
+        lp = token_logprobs(gpt, batch.tokens, batch.labels, fused=fused)
+        (lp * batch.mask).sum().backward()
+        found[fused] = (lp.detach(), {n: p.grad.clone() for n, p in gpt.named_parameters() if p.grad is not None})
+    torch.save(found, f"{out}.{rank}")
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_megatron_fused_ce_gives_the_plain_log_probs_and_gradients(tmp_path, tp):
+    model_dir = _export(tmp_path / "init")
+    mp.spawn(_fused_worker, args=(tp, _free_port(), str(model_dir), str(tmp_path / "out")), nprocs=tp, join=True)
+    mask = pack(_samples(), PAD_ID).mask > 0
+    for rank in range(tp):
+        found = torch.load(tmp_path / f"out.{rank}")
+        plain, fused = found[False], found[True]
+        assert (fused[0][mask] - plain[0][mask]).abs().max().item() < 1e-5
+        assert plain[1].keys() == fused[1].keys() and plain[1]
+        for name, grad in plain[1].items():
+            assert torch.allclose(fused[1][name], grad, atol=1e-5), (rank, name, (fused[1][name] - grad).abs().max())
+
+
+def _split_job(rl: dict | None = None, mini_batches: int = 2, **train) -> JobConfig:
+    """Two mini-batches of the six samples ([3, 3]), forwards of two sequences: micro-batches [2, 1] each (one
+    mini-batch: [2, 2, 2], its behaviour log-probs taken from the training forward)."""
     job = _job(**train)
     return dataclasses.replace(job, parallel=dataclasses.replace(job.parallel, micro_batch_size=2),
-                               rl=dataclasses.replace(job.rl, mini_batches=2))
+                               rl=dataclasses.replace(job.rl, mini_batches=mini_batches, **(rl or {})))
 
 
-def _split_loss_worker(rank: int, port: int, model_dir: str, out: str):
+SWITCHES = {  # the rl: switches of the GRPO family the loss reads (rlslurm/rl/objective.py)
+    "grpo": {},
+    "dapo": {"clip_eps_low": 0.2, "clip_eps_high": 0.28, "loss_agg": "token_mean"},
+    "dr_grpo": {"loss_agg": "seq_sum_norm", "loss_norm_tokens": 16},
+    "gspo": {"ratio": "sequence", "clip_eps_low": 0.03, "clip_eps_high": 0.04},
+    "tis": {"tis_cap": 2.0, "max_staleness": 0},
+}
+
+
+def _split_loss_worker(rank: int, port: int, model_dir: str, out: str, mini_batches: int):
     """Megatron's side of the update on CPU: its split (`prepare`) and its schedule's forward_step and loss
-    function per micro-batch, summed as the schedule reports them; no optimizer (Megatron's needs CUDA)."""
+    function per micro-batch, summed as the schedule reports them; no optimizer (Megatron's needs CUDA). Every
+    switch of SWITCHES, fresh and stale samples."""
     from rlslurm.megatron.policy import _forward_step, prepare, token_logprobs
+    from rlslurm.rl.objective import Objective, divisors
 
     gpt = _cpu_gpt(port, model_dir).eval()
-    job, found = _split_job(), {}
-    for stale in (False, True):
-        samples = _samples(stale)
-        parts, chunks, behaviour, stats = prepare(samples, [len(samples)], 0, job,
-                                                  lambda c: token_logprobs(gpt, c.tokens, c.labels), "cpu")
-        losses = []
-        with torch.no_grad():
-            for part, part_chunks, behave in zip(parts, chunks, behaviour):
-                step = 0.0
-                for chunk, b in zip(part_chunks, behave):
-                    nll, loss_func = _forward_step(job.rl.clip_eps, part.total, len(part_chunks), stats,
-                                                   iter([(chunk, b)]), gpt)
-                    _, reported = loss_func(nll)
-                    step += float(reported["loss"])
-                losses.append(step)
-        found[stale] = {"losses": losses, "micro": [len(c) for c in chunks], "tokens": stats.result()["tokens"]}
+    found = {}
+    for name, rl in SWITCHES.items():
+        job = _split_job(rl, mini_batches)
+        objective = Objective.of(job)
+        for stale in (False, True):
+            samples = _samples(stale)
+            parts, chunks, behaviour, stats = prepare(samples, [len(samples)], 0, job,
+                                                      lambda c: token_logprobs(gpt, c.tokens, c.labels), "cpu")
+            losses = []
+            with torch.no_grad():
+                for part_chunks, behave, divisor in zip(chunks, behaviour, divisors(objective, parts, 1)):
+                    step = 0.0
+                    for chunk, b in zip(part_chunks, behave):
+                        nll, loss_func = _forward_step(objective, divisor, len(part_chunks), stats, False,
+                                                       iter([(chunk, b)]), gpt)
+                        _, reported = loss_func(nll)
+                        step += float(reported["loss"])
+                    losses.append(step)
+            found[name, stale] = {"losses": losses, "micro": [len(c) for c in chunks], "stats": stats.result()}
     torch.save(found, out)
 
 
-def test_megatron_and_torch_give_the_same_loss_for_the_same_micro_and_mini_batches(tmp_path):
+@pytest.mark.parametrize("mini_batches", [2, 1])
+def test_megatron_and_torch_give_the_same_loss_for_the_same_micro_and_mini_batches(tmp_path, mini_batches):
     """The same samples, two mini-batches of micro-batches of two: the Megatron policy's split and
     objective (its schedule's forward_step on a CPU GPTModel) and the torch Policy's update report the same
-    loss. The torch policy steps after its first mini-batch; at lr 1e-9 that moves no log-prob past 1e-6,
-    so the second mini-batch's loss is taken at the same weights on both sides."""
+    loss, for every switch of the GRPO family the loss reads (clip-higher + token mean, Dr. GRPO's constant
+    normaliser, GSPO's sequence ratio, TIS). The torch policy steps after its first mini-batch; at lr 1e-9 that
+    moves no log-prob past 1e-6, so the second mini-batch's loss is taken at the same weights on both sides. One
+    mini-batch: both take the behaviour log-probs from the training forward (rlslurm/rl/config.py
+    behaviour_forward)."""
     model_dir = _export(tmp_path / "init")
-    mp.spawn(_split_loss_worker, args=(_free_port(), str(model_dir), str(tmp_path / "split.pt")), nprocs=1,
-             join=True)
-    for stale, megatron in torch.load(tmp_path / "split.pt").items():
-        assert megatron["micro"] == [2, 2]  # 3 samples each: forwards of 2 and 1
-        policy = Policy(_split_job(lr=1e-9), _topology(), model_dir)
+    mp.spawn(_split_loss_worker, args=(_free_port(), str(model_dir), str(tmp_path / "split.pt"), mini_batches),
+             nprocs=1, join=True)
+    losses = {}
+    for (name, stale), megatron in torch.load(tmp_path / "split.pt").items():
+        assert megatron["micro"] == ([2, 2] if mini_batches == 2 else [3])  # forwards of 2 and 1 / of 2, 2 and 2
+        policy = Policy(_split_job(SWITCHES[name], mini_batches, lr=1e-9), _topology(), model_dir)
         stats = policy.update(_samples(stale), _Guard(), step_total=6)
-        assert stats["mini_batches"] == 2 and stats["tokens"] == megatron["tokens"]
+        assert stats["mini_batches"] == mini_batches and stats["tokens"] == megatron["stats"]["tokens"]
         ours = sum(megatron["losses"]) / len(megatron["losses"])
-        assert ours == pytest.approx(stats["loss"], abs=1e-5), (stale, megatron["losses"], stats["loss"])
+        assert ours == pytest.approx(stats["loss"], abs=1e-5), (name, stale, megatron["losses"], stats["loss"])
         assert abs(ours) > 1e-3
+        for key in ("tis_weight_mean", "engine_trainer_logprob_mismatch"):
+            assert (key in stats) == (key in megatron["stats"])
+            if key in stats:
+                assert stats[key] == pytest.approx(megatron["stats"][key], abs=1e-4), key
+        losses[name, stale] = ours
+    for name in SWITCHES:  # each switch makes another loss of these (partly stale) samples: the comparison covers it
+        assert name == "grpo" or abs(losses[name, True] - losses["grpo", True]) > 1e-4, name
 
 
 # -- Megatron's DDP, distributed optimizer and schedule: on CPU over gloo here, on a GPU under NCCL ------
@@ -230,14 +296,22 @@ def _policy_worker(rank: int, port: int, model_dir: str, out_dir: str, weight_by
     policy = MegatronPolicy(_megatron_job(weight_bytes, lr=1e-2), topo, model_dir)
     before = {n: t.clone() for n, t in policy.weights().items()}
     assert all(t.device == policy.device and t.dtype == torch.float32 for t in before.values())
+    policy.meter.start_step(1)  # metered: the first step is, on every device
     stats = policy.update(_samples(stale=True), _Guard())
+    peaks = policy.meter.peaks()
     after = policy.weights()
     assert sorted(after) == sorted(before)
     changed = [n for n in after if not torch.equal(after[n], before[n])]
     assert len(changed) >= len(after) - 1, f"only {changed} changed"  # every matrix moves
-    peak = stats.get("train_peak_allocated_gb", stats.get("train_peak_rss_gb"))
-    assert peak > 0 and stats["grad_norm"] > 0 and stats["tokens"] > 0
+    assert set(peaks) == {"forward_backward", "optimizer"} and all(p["tensor_gb"] > 0 for p in peaks.values())
+    assert stats["grad_norm"] > 0 and stats["tokens"] > 0
     assert stats["engine_trainer_logprob_gap"] >= 0
+    # A step with no trainable sample on any rank (every group zero-variance): no optimizer step, and the
+    # trained step's keys all the same (docs/metrics.md), `trained: false` (issue 42).
+    idle = policy.update([], _Guard(), step_total=0)
+    assert set(idle) == set(stats) and (stats["trained"], idle["trained"]) == (True, False), (idle, stats)
+    assert idle["grad_norm"] == idle["tokens"] == idle["mini_batches"] == 0
+    assert all(torch.equal(t, after[n]) for n, t in policy.weights().items())
 
     # HF round trip 1: the HF directory the job exports reloads in transformers with the same log-probs.
     from rlslurm.tinymodel import save_hf
@@ -247,7 +321,7 @@ def _policy_worker(rank: int, port: int, model_dir: str, out_dir: str, weight_by
     batch = pack(_samples(), PAD_ID)
     ids = torch.cat([batch.tokens, batch.labels[:, -1:]], dim=1)
     with torch.no_grad():
-        theirs = Policy._logprobs(hf, ids, torch.ones_like(ids))
+        theirs = CausalLMScorer(hf, fused=False)(ids, torch.ones_like(ids))
         ours = token_logprobs(policy.gpt, batch.tokens.to(policy.device), batch.labels.to(policy.device)).cpu()
     mask = batch.mask > 0
     tolerance = 1e-4 if weight_bytes == 4.0 else 0.1  # bf16 compute against fp32 transformers
@@ -334,7 +408,7 @@ def _data_parallel_worker(rank: int, world: int, port: int, model_dir: str, out:
     topo = Topology(rank, world, rank, "127.0.0.1", port)
     init_process_group(topo, timeout_s=120)
     job = _megatron_job(4.0, lr=1e-2)
-    assert job.memory.distributed_optimizer
+    assert job.resolved_memory.distributed_optimizer
     policy = MegatronPolicy(job, topo, model_dir)
     samples = _samples(stale=True)
     stats = policy.update(samples[rank::world], _Guard(), step_total=len(samples))
@@ -376,7 +450,7 @@ def _sync(engine_client, transport, tensors, version):
 
 
 def _start_engine(model_dir, log_dir, engine: str, visible: str, *extra: str):
-    from rlslurm.rollout.client import spawn_engine
+    from rlslurm.rollout.launcher import spawn_engine
     from rlslurm.sync.broadcast import free_port
 
     env = {"HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": visible, "RLSLURM_GPU_MEMORY_UTILIZATION": "0.2"}

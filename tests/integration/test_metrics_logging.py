@@ -48,8 +48,8 @@ def test_sft_steps_and_its_evaluation_reach_tensorboard(tmp_path):
     assert len(jsonl) == 40
     assert {e.step: e.value for e in events.Scalars("loss")} == pytest.approx(jsonl, rel=1e-6)
     (evaluation,) = [r for r in lines if r.get("kind") == "sft_eval"]
-    assert [(e.step, e.value) for e in events.Scalars("heldout_accuracy")] == [
-        (evaluation["step"], pytest.approx(evaluation["heldout_accuracy"]))]
+    assert [(e.step, e.value) for e in events.Scalars("held_out_accuracy")] == [
+        (evaluation["step"], pytest.approx(evaluation["held_out_accuracy"]))]
 
 
 def test_wandb_offline_run_under_the_run_directory(tmp_path):

@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from rlslurm.cli.report import command
-from rlslurm.rundir import read_jsonl
+from rlslurm.rundir import RunDir, read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,3 +52,36 @@ def test_report_of_a_real_rl_run(tmp_path):
     assert base64.b64decode(re.search(r"base64,([^\"]+)\"", page).group(1)) == png
     table = page.split("<h2>Per-step numbers</h2>")[1]
     assert table.count("<tr>") == 1 + 3 and "<th>sync_s</th>" in table and "<th>idle_s</th>" in table
+    assert "<h2>Plan vs measured</h2>" in page
+
+    # The plan meets the run (issue 35): every figure the plan predicted for this layout, measured and compared.
+    from rlslurm.plan_vs_run import FIGURES
+
+    rows = {r["figure"]: r for r in answer["plan_vs_measured"]}
+    assert list(rows) == list(FIGURES["rl"])
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    # A random init's groups may all be zero-variance (no answer right by chance): then no sample of the steady
+    # steps (the measured side's: all but the first) reached the loss.
+    from rlslurm.plan_vs_run import step_rows
+
+    taught = sum(m["effective_samples"] for m in step_rows(RunDir(run_dir))[1][1:])
+    for row in rows.values():
+        zero = row["figure"] == "effective_samples_per_s" and not taught
+        assert row["planned"] > 0 and (row["measured"] == 0 if zero else row["measured"] > 0), row
+        assert row["ratio"] == pytest.approx(row["measured"] / row["planned"]), row
+    assert metrics[0]["mem_metered"] and rows["trainer_peak_gb"]["measured"] == metrics[0]["trainer_peak_gb"]
+    assert metrics[0]["engine_rss_peak_gb"] > 0 and metrics[1]["engine_rss_peak_gb"] is None  # step 2: not metered
+    assert len(answer["trainer_peak_gb_by_rank"]) == 2 and max(answer["trainer_peak_gb_by_rank"]) == \
+        metrics[0]["trainer_peak_gb"]
+    # a plan_off event (at the last step: the run is shorter than CHECK_STEP) for every figure more than 10 % off
+    said = [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "plan_off"]
+    assert all(e["step"] == 3 and abs(e["ratio"] - 1) > 0.1 and e["figure"] in rows for e in said), said
+
+    # --from-run: the same job at twice the prompts per step, each term calibrated from this run.
+    plan = subprocess.run([sys.executable, "-m", "rlslurm.cli.main", "plan", str(ROOT / "examples" / "tiny-grpo.yaml"),
+                           "--from-run", str(run_dir), "--set", "rl.prompts_per_step=128", "--json"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert plan.returncode == 0, plan.stderr
+    calibration = json.loads(plan.stdout)["calibration"]
+    assert calibration["run"] == str(run_dir) and {"train", "rollout", "activations", "reward_s_per_response",
+                                                    "idle_s"} <= set(calibration["measured"])

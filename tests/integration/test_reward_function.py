@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from rlslurm.reward.config import RewardConfig
-from rlslurm.reward.scorers import Item
+from rlslurm.reward.items import Item
 from rlslurm.reward.supervisor import RewardSupervisor
 from rlslurm.secret import bearer
 
@@ -136,7 +136,7 @@ def test_workers_die_with_the_service(tmp_path):
             reply = http.post(sup.url + "/score", json={"items": [item(i, "x").__dict__ for i in range(4)]})
             assert [r["score"] for r in reply.json()["results"]] == [1.0] * 4
         workers = [p for p in psutil.Process(sup.proc.pid).children(recursive=True)
-                   if "rlslurm.reward.workers" in " ".join(p.cmdline())]
+                   if "rlslurm.reward.worker" in p.cmdline()]
         assert workers
         os.kill(sup.proc.pid, signal.SIGKILL)
         gone, alive = psutil.wait_procs(workers, timeout=10)
@@ -178,7 +178,7 @@ def test_inline_scoring_from_a_thread_of_its_own_is_bounded_too(tmp_path):
             out.append(loop.run_until_complete(score_bounded(scorer, item(0, "hang"), 1.0)))
             out.append(loop.run_until_complete(score_bounded(scorer, item(1, "x", response="abc"), 10.0)))
             out.append([p.pid for p in psutil.Process().children()  # not the module service's workers
-                        if "rlslurm.reward.workers" in " ".join(p.cmdline())])
+                        if "rlslurm.reward.worker" in p.cmdline()])
             loop.run_until_complete(close_scorer(scorer))
         finally:
             loop.close()

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from rlslurm.data.humaneval import problems, responses, write_jsonl
 from rlslurm.reward.config import RewardConfig, SandboxConfig
-from rlslurm.reward.scorers import Item, make_scorer
+from rlslurm.reward.items import Item
+from rlslurm.reward.scorers import make_scorer
 
 ROOT = Path(__file__).resolve().parents[2]
 SANDBOX = SandboxConfig(cpu_s=5, wall_s=10.0, mem_mb=1024)

@@ -16,7 +16,7 @@ import pytest
 from rlslurm.events import read_events
 from rlslurm.reward.client import RewardClient
 from rlslurm.reward.config import RewardConfig
-from rlslurm.reward.scorers import Item
+from rlslurm.reward.items import Item
 from rlslurm.reward.supervisor import RewardSupervisor, free_port
 from rlslurm.rundir import RunDir
 from rlslurm.secret import bearer
@@ -135,3 +135,21 @@ def test_stopped_service_counts_as_unhealthy_and_is_replaced(judge, tmp_path):
         assert sup.healthy()
     (event,) = read_events(run, "reward_service_unhealthy")
     assert event["pid"] == stopped and event["failed_checks"] == 2
+
+
+def test_a_service_stopped_by_sigterm_is_no_death_and_is_not_restarted(judge, tmp_path):
+    """Issue 38: SLURM's SIGTERM (a requeue, a preemption, every drain on it) reaches the service, which exits 0;
+    its supervisor took that for a death (`reward_service_died`, exit code 0) and started it again. Now it lets
+    it go. The drain's USR1 reaches it too, and no longer ends it."""
+    run = RunDir(tmp_path).create()
+    with RewardSupervisor(judge_cfg(judge), run=run) as sup:
+        pid = sup.proc.pid
+        time.sleep(0.5)  # past the service's start, where it sets its signals
+        os.kill(pid, signal.SIGUSR1)
+        time.sleep(1.0)
+        assert sup.proc.poll() is None and sup.healthy()
+        os.kill(pid, signal.SIGTERM)
+        assert sup.proc.wait(timeout=20) == 0
+        time.sleep(1.0)  # five health intervals: a death would have been said and restarted by now
+        assert sup.restarts == 0 and sup.proc.pid == pid and not sup.failed.is_set()
+    assert read_events(run, "reward_service_died") == [] and read_events(run, "reward_service_restarted") == []

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from rlslurm.reward.config import RewardConfig
-from rlslurm.reward.scorers import MAX_REASON_CHARS
+from rlslurm.reward.items import MAX_REASON_CHARS
 from rlslurm.reward.supervisor import RewardSupervisor
 from rlslurm.secret import bearer
 
@@ -101,3 +101,13 @@ def test_bodies_are_bounded(service):
     assert extra.status_code == 400 and "rubric" in extra.text
     huge = client.post("/score", json=items(*["1" * 3000] * 20))  # past the whole body's limit: unread
     assert huge.status_code == 413
+
+
+def test_hostile_json_is_a_400_that_says_why(service):
+    client = http(service)
+    for hostile, named in ((b'{"items": ' + b"[" * 20_000 + b"]" * 20_000 + b"}", "nested deeper"),
+                           (b'{"items": [{"id": "0", "response": "19", "reference": ' + b"9" * 20_000 + b"}]}",
+                            "digits")):
+        r = client.post("/score", content=hostile, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and named in r.json()["error"]["message"], r.text[:300]
+    assert client.get("/health").status_code == 200

@@ -44,7 +44,7 @@ def overlapped(sft, tmp_path_factory) -> dict:
 
 
 def test_overlapped_rl_beats_sft_on_held_out_problems(sft, overlapped):
-    base, (last_step, acc) = sft["eval"]["heldout_accuracy"], overlapped["evals"][-1]
+    base, (last_step, acc) = sft["eval"]["held_out_accuracy"], overlapped["evals"][-1]
     assert last_step == overlapped["job"].train.steps
     assert overlapped["evals"][0] == (0, base)
     assert acc >= base + MARGIN, f"overlapped RL {acc:.3f} vs SFT {base:.3f}: the gain is under {MARGIN}"

@@ -67,8 +67,8 @@ def test_export_reloads_and_reproduces_the_recorded_accuracy(sft_run):
     _, held_out = make_splits(job.task)
     measured = greedy_accuracy(model, tokenizer, held_out, max_new_tokens=job.rollout.max_new_tokens)
     (recorded,) = [r for r in read_jsonl(run.metrics) if r["kind"] == "sft_eval"]
-    assert recorded["heldout_total"] == len(held_out) == job.task.eval_size
-    assert measured.correct == recorded["heldout_correct"]
+    assert recorded["held_out_total"] == len(held_out) == job.task.eval_size
+    assert measured.correct == recorded["held_out_correct"]
     print(f"\nheld-out greedy accuracy {measured.accuracy:.3f} ({measured.correct}/{measured.total}); "
           f"SFT wall {sft_run['wall_s']:.1f} s")
     # The embedded default must learn (RL starts from something) yet leave room for RL to improve.

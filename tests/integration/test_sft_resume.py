@@ -102,7 +102,7 @@ def outcome(run: RunDir) -> dict:
     assert sorted(e["rank"] for e in finished) == list(range(WORLD)), finished
     assert len({e["weights_sha256"] for e in finished}) == 1
     (evaluated,) = [m for m in read_jsonl(run.metrics) if m.get("kind") == "sft_eval"]
-    return {"weights_sha256": finished[0]["weights_sha256"], "correct": evaluated["heldout_correct"],
+    return {"weights_sha256": finished[0]["weights_sha256"], "correct": evaluated["held_out_correct"],
             "final_loss": losses(run)[STEPS]}
 
 

@@ -2,7 +2,9 @@
 weight-broadcast group's (rlslurm/sync/broadcast.py) bind the job's address only and admit only a process that
 proves the job's secret (rlslurm/jobstore.py). A stranger's torch store client, a wrong secret and raw bytes are
 refused before any key is read or written, while the job's real ranks rendezvous and run a collective; a local
-RL run has no listener on every interface (`*`, 0.0.0.0, [::])."""
+RL run has no listener on every interface (`*`, 0.0.0.0, [::]). Issue 37: a stranger holding every handshake
+slot with trickling connections delays no job client, has each connection closed within the handshake's
+deadline, and a client turned away for load says so and retries within its own deadline."""
 
 from __future__ import annotations
 
@@ -20,10 +22,10 @@ import torch
 import torch.distributed as dist
 
 from rl_runs import ROOT, WAIT_S
-from rlslurm import launch, secret
+from rlslurm import jobstore, launch, secret
 from rlslurm.config import load_config
 from rlslurm.dist import free_port
-from rlslurm.jobstore import JobStore, StoreAuthError
+from rlslurm.jobstore import JobStore, StoreAuthError, StoreServer
 from rlslurm.sync.broadcast import BroadcastGroup
 
 WILDCARD = {"0.0.0.0", "::", ""}
@@ -117,6 +119,95 @@ def test_a_stranger_cannot_take_a_rank_in_the_weight_broadcast_group():
     engine.broadcast(received)
     work.wait()
     assert torch.equal(sent, received)
+
+
+class Trickling:
+    """`count` stranger connections to a store, each sending one byte of a never-finished handshake per
+    `interval_s` (under the old per-read timeout of 10 s); `closed()` counts those the store has shut."""
+
+    def __init__(self, port: int, count: int, interval_s: float = 1.0):
+        self.socks = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(count)]
+        self.stop, self.interval_s = threading.Event(), interval_s
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.wait(self.interval_s):
+            for sock in self.socks:
+                try:
+                    sock.send(b"x")
+                except OSError:
+                    pass
+
+    def closed(self) -> int:
+        shut = 0
+        for sock in self.socks:
+            sock.setblocking(False)
+            try:
+                while chunk := sock.recv(4096):  # the challenge (or BUSY), then the end
+                    del chunk
+                shut += 1
+            except BlockingIOError:
+                pass
+            except OSError:
+                shut += 1
+        return shut
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        for sock in self.socks:
+            sock.close()
+
+
+def test_a_stranger_holding_every_handshake_slot_delays_no_job_client():
+    server = StoreServer("127.0.0.1", 0, "the-jobs-secret")
+    stranger = Trickling(server.port, jobstore.MAX_PENDING_HANDSHAKES)
+    try:
+        time.sleep(jobstore.HANDSHAKE_GRACE_S + 0.5)  # every slot taken, by connections past their grace
+        admitted = []
+        for i in range(8):
+            started = time.monotonic()
+            store = JobStore("127.0.0.1", server.port, "the-jobs-secret", datetime.timedelta(seconds=30))
+            store.set(f"k{i}", f"v{i}")
+            assert store.get(f"k{i}") == f"v{i}".encode()
+            admitted.append(time.monotonic() - started)
+            store.close()
+        deadline = stranger_start = time.monotonic()
+        deadline += jobstore.HANDSHAKE_TIMEOUT_S + 5
+        while stranger.closed() < len(stranger.socks) and time.monotonic() < deadline:
+            time.sleep(0.25)
+        shut_s = time.monotonic() - stranger_start
+        shut = stranger.closed()
+    finally:
+        stranger.close()
+        server.close()
+    print(f"FIGURE store_jam: {len(stranger.socks)} trickling stranger connections; 8 job clients admitted in "
+          f"{max(admitted) * 1000:.1f} ms at most; the stranger's connections all shut {shut_s:.1f} s later "
+          f"({server.evicted} closed to make room), load {os.getloadavg()[0]:.2f}")
+    assert max(admitted) < 2.0, admitted
+    assert shut == len(stranger.socks), f"{shut} of the stranger's connections shut by the handshake's deadline"
+
+
+def test_a_client_turned_away_for_load_says_so_and_retries_within_its_deadline(monkeypatch):
+    monkeypatch.setattr(jobstore, "MAX_PENDING_HANDSHAKES", 2)
+    monkeypatch.setattr(jobstore, "HANDSHAKE_GRACE_S", 60.0)  # the stranger's connections are never old enough
+    server = StoreServer("127.0.0.1", 0, "the-jobs-secret")
+    stranger = Trickling(server.port, 2)
+    try:
+        with pytest.raises(RuntimeError, match="did not admit this process within 2 s: .* turned away") as refused:
+            JobStore("127.0.0.1", server.port, "the-jobs-secret", datetime.timedelta(seconds=2))
+        assert not isinstance(refused.value, StoreAuthError) and server.busy >= 1
+        threading.Timer(1.0, stranger.close).start()  # the load goes away while the next client retries
+        store = JobStore("127.0.0.1", server.port, "the-jobs-secret", datetime.timedelta(seconds=20))
+        store.set("k", "v")
+        assert store.get("k") == b"v"
+        store.close()
+        with pytest.raises(StoreAuthError):  # a wrong secret is still an auth error, at once
+            JobStore("127.0.0.1", server.port, "another-secret", datetime.timedelta(seconds=20))
+    finally:
+        stranger.close()
+        server.close()
 
 
 def time_init(port: int, env: dict) -> tuple[float, float]:

@@ -16,7 +16,7 @@ SURFACE = {
              "--out", "--partition-rollout", "--partition-train", "--run-root", "--steps", "--time-limit-min", "-o"],
     "report": ["--json", "--out", "--run-root"],
     "resume": ["--backend", "--force", "--run-root", "--set", "--wait"],
-    "plan": ["--explain", "--json", "--set"],
+    "plan": ["--explain", "--from-run", "--json", "--run-root", "--set"],
     "score": ["--out", "--pass-at", "--response-key", "--responses", "--set", "--show", "--split"],
     "status": ["--follow", "--json", "--run-root"],
     "submit": ["--backend", "--dry-run", "--force", "--run-root", "--set", "--wait"],

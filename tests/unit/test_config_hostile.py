@@ -294,8 +294,11 @@ def test_examples_pass_all_three_commands(tmp_path: Path, guarded):
     tokenizer = export(tmp_path / "smollm2-tokenizer", tokenizer_only=True)
     for name, text in EXAMPLES.items():
         sets = [f"train.init_from={tokenizer}"] if name in ("grpo-gsm8k.yaml", "smollm2-humaneval.yaml") else []
-        _run_all(tmp_path, text.encode(), sets, "slurm")
-        overrides = [a for s in sets for a in ("--set", s)]
+        verdict = _run_all(tmp_path, text.encode(), sets, "slurm")
+        # The lecture's MoE with EP 8 is planned whole and refused: rlslurm's trainers run dense TP x DP so far.
+        refused = name == "lecture-h20.yaml"
+        assert verdict == ("validate 0, submit 3" if refused else "validate 0, submit 0"), (name, verdict)
+        overrides = [a for s in sets for a in ("--set", s)] + (["--force"] if refused else [])
         result = CliRunner().invoke(cli, ["submit", str(ROOT / "examples" / name), "--dry-run", "--backend", "slurm",
                                           "--run-root", str(tmp_path / "runs"), *overrides])
         assert result.exit_code == 0 and "dry run: nothing submitted" in result.stdout, result.stderr

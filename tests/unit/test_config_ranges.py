@@ -21,7 +21,8 @@ import pytest
 from rlslurm.config import JobConfig, load_config
 from rlslurm.configfile import FieldError, field_docs, load_mapping
 from rlslurm.errors import ConfigError
-from rlslurm.plan.report import build_plan, render_json, render_text
+from rlslurm.plan.render import render_json, render_text
+from rlslurm.plan.report import build_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 SPAN = re.compile(r"[\[(]-?[\d.e]+, -?[\d.e]+[\])]")

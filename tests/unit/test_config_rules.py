@@ -3,6 +3,7 @@ naming both keys (rlslurm/config_rules.py); the examples and every default are f
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -77,7 +78,13 @@ IGNORED = [
 ]
 
 
-@pytest.mark.parametrize("text,fragments", IGNORED, ids=[f"rule{i:02d}" for i in range(len(IGNORED))])
+def rule_id(fragments: list[str]) -> str:
+    """A test id that says the rule: its message's fragments, e.g. placement.rollout_nodes=1_is_ignored_with_..."""
+    text = " ".join(fragments).replace("'", "").replace(" = ", "=")
+    return re.sub(r"[^\w.=]+", "_", text).strip("_")[:100]
+
+
+@pytest.mark.parametrize("text,fragments", IGNORED, ids=[rule_id(fragments) for _, fragments in IGNORED])
 def test_an_ignored_value_is_an_error_naming_both_keys(tmp_path: Path, text: str, fragments: list[str]):
     path = tmp_path / "job.yaml"
     path.write_text("job: {name: x}\n" + text if not text.startswith("job:") else text)
@@ -88,6 +95,11 @@ def test_an_ignored_value_is_an_error_naming_both_keys(tmp_path: Path, text: str
     for fragment in fragments:
         assert fragment in message, f"{fragment!r} not in {message!r}"
     assert "secret" not in message, "a URL's password is never echoed"
+
+
+def test_every_rule_has_an_id_of_its_own():
+    ids = [rule_id(fragments) for _, fragments in IGNORED]
+    assert len(set(ids)) == len(ids) and not any(re.fullmatch(r"rule\d+", i) for i in ids)
 
 
 def test_examples_defaults_and_resolved_configs_have_no_ignored_value(tmp_path: Path):
@@ -121,8 +133,6 @@ def test_the_ignored_value_stays_allowed_where_it_is_read(tmp_path: Path):
 
 def test_phases_are_the_ones_the_guard_reports():
     """diag.phase_timeouts_s keys are checked against PHASES: every guard.phase("...") in the code is one."""
-    import re
-
     from rlslurm.diag.config import PHASES
 
     used = set()
@@ -132,3 +142,27 @@ def test_phases_are_the_ones_the_guard_reports():
     used.add("start")  # diag/guard.py's own first phase, before any guard.phase()
     assert used <= set(PHASES), used - set(PHASES)
     assert len(used) >= 10
+
+
+def test_inline_scores_a_users_rows_by_rule_or_function_and_leaves_the_rest_to_the_service(tmp_path: Path,
+                                                                                           monkeypatch):
+    """reward.service inline with data: rows: the rule and a user's function run in the controller (no HTTP round
+    trip per batch), with their timeout and degrade rule; code, model and judge need the supervised service."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rows.jsonl").write_text('{"prompt": "1+1=", "reference": "2"}\n')
+    (tmp_path / "f.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                   "    return 1.0\n")
+    head = "job: {name: x, kind: rl}\ndata: {train: rows.jsonl, eval: rows.jsonl}\n"
+    path = tmp_path / "job.yaml"
+    for ok in ("reward: {service: inline}\n", "reward: {service: inline, scorer: function, function: f.py, "
+                                              "timeout_s: 3, degrade: drop}\n"):
+        path.write_text(head + ok)
+        load_config(path)
+    for bad, fragment in (("reward: {service: inline, scorer: code}\n", "reward.scorer = 'code' needs the supervised "
+                                                                       "reward service"),
+                          ("reward: {service: inline, batch_size: 8}\n", "reward.batch_size = 8 is ignored with "
+                                                                         "reward.service = 'inline'")):
+        path.write_text(head + bad)
+        with pytest.raises(ConfigError, match="set reward.service: local") as err:
+            load_config(path)
+        assert fragment in str(err.value)

@@ -140,3 +140,28 @@ def test_data_keys_are_validated_once_and_named(tmp_path):
     assert _job(tmp_path, {"train": "t.jsonl", "eval_fraction": 0.1}, kind="rl").data.train == "t.jsonl"
     with pytest.raises(ConfigError, match=r"data\.max_bad_share = 1\.5 must be <= 1"):
         _job(tmp_path, {"train": "t.jsonl", "eval_fraction": 0.1, "max_bad_share": 1.5})
+
+
+def test_a_list_or_mapping_ground_truth_reaches_a_reward_function_and_is_refused_for_the_rest(tmp_path):
+    """docs/data.md and validate agree (issue 37): a verl ground truth that is a list or a mapping (Search-R1's
+    {"target": [...]}) is kept for reward.scorer = function, which gets it as that value; every other scorer
+    compares text, and validate refuses the row, naming the column and the scorer that would take it."""
+    from rlslurm.data.check import check_data
+    from rlslurm.reward.items import item_for
+
+    rows = [dict(row, reward_model={"style": "rule", "ground_truth": {"target": [str(i + 1), "one more"]}})
+            for i, row in enumerate(VERL)]
+    data = {"train": str(_write(tmp_path / "t.jsonl", rows)), "eval_fraction": 0.2}
+    (tmp_path / "rewards.py").write_text("def compute_score(data_source, solution_str, ground_truth, "
+                                         "extra_info=None):\n    return 0.0\n")
+    function = tmp_path / "job.yaml"
+    function.write_text(json.dumps({"job": {"kind": "rl"}, "data": data, "reward": {
+        "scorer": "function", "function": str(tmp_path / "rewards.py"), "service": "local"}}))
+    job = load_config(function)
+    assert "ok, 10 rows checked" in check_data(job)[0]
+    train, _ = load_splits(job)
+    item = item_for(train.sample(0), "2", "0")
+    assert item.reference_is_json and json.loads(item.reference)["target"][1] == "one more"
+    with pytest.raises(DataError, match=r"'reward_model.ground_truth': is a mapping; a ground truth must be text or "
+                                        r"a number \(a list or mapping reaches a reward function only"):
+        check_data(_job(tmp_path, data, kind="rl"))

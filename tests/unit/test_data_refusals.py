@@ -73,6 +73,20 @@ CASES = {
                                                                           "completion": "completion"}},
                                         1, None, "'question.text'", "is null"),  # parquet: a struct's absent field
     "not-utf8": ("t.jsonl", _jsonl(OK, b'{"prompt": "\xff\xfe", "completion": "1"}'), {}, 1, 2, None, "not UTF-8"),
+    # Issue 37: hostile JSON is named (it was a RecursionError / ValueError traceback) and a long row is measured
+    # in bytes before it is tokenized.
+    "nested-100k-deep": ("t.jsonl", _jsonl(OK, b'{"prompt": "1*2=", "completion": "2", "x": ' + b"[" * 100_000
+                                           + b"]" * 100_000 + b"}"), {}, None, None, "row 1 (line 2)",
+                         "is nested deeper than 64 levels of arrays and objects"),
+    "nested-100k-deep-json": ("t.json", b"[" * 100_000 + b"]" * 100_000, {}, None, None, None,
+                              "is nested deeper than 65 levels"),
+    "integer-of-100k-digits": ("t.jsonl", _jsonl(OK, b'{"prompt": "1*2=", "completion": "2", "n": ' + b"7" * 100_000
+                                                 + b"}"), {}, None, None, "row 1 (line 2)",
+                               "holds an integer longer than 4300 digits"),
+    "prompt-megabytes-long": ("t.jsonl", _jsonl(OK, {"prompt": "1*2=" * 250_000, "completion": "2"}), {}, 1, 2,
+                              "'prompt'", "is too long: the prompt is 1.0 MB: more than 64 tokens can hold (320 B, "
+                                          "5 bytes for the vocabulary's longest token), so it is refused before "
+                                          "tokenizing; model.max_positions = 64"),
 }
 
 def _write(path: Path, content) -> None:
@@ -150,3 +164,38 @@ def test_good_files_pass_and_say_what_was_checked(tmp_path):
     result = CliRunner().invoke(cli, ["validate", str(_config(tmp_path, data_file, {}))])
     assert result.exit_code == 0, result.output
     assert f"data.train = {data_file}: ok, 5 rows checked; layout trl_prompt_completion" in result.output
+
+
+def test_a_long_row_is_named_in_milliseconds_and_megabytes(tmp_path):
+    """Issue 37: validate tokenized a whole row before comparing it with the context: a 5 MB prompt cost 9.9 s and
+    2.1 GB (a 50 MB one 115 s and 19.2 GB). Now it is refused by its bytes: this process grows by little more than
+    the row it read (bench/bench_long_row.py: 50 MB in 0.4 s of checking)."""
+    import threading
+    import time
+
+    import psutil
+
+    from rlslurm.config import load_config
+    from rlslurm.data.check import check_data
+    from rlslurm.data.layout import DataError
+
+    data_file = tmp_path / "t.jsonl"
+    data_file.write_bytes(_jsonl({"prompt": "12+7=" * 1_000_000, "completion": "19"}, OK, OK))
+    job = load_config(_config(tmp_path, data_file, {}))
+    me, peak, stop = psutil.Process(), [0.0], threading.Event()
+    base = me.memory_info().rss
+
+    def sample():
+        while not stop.is_set():
+            peak[0] = max(peak[0], me.memory_info().rss - base)
+            stop.wait(0.01)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    started = time.monotonic()
+    with pytest.raises(DataError, match=r"row 0 \(line 1\), column 'prompt': is too long: the prompt is 5.0 MB"):
+        check_data(job)
+    took = time.monotonic() - started
+    stop.set()
+    sampler.join()
+    assert took < 3 and peak[0] < 200 * 2**20, (took, peak[0] / 2**20)

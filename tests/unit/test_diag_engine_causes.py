@@ -41,10 +41,27 @@ def test_a_hang_after_the_controller_failed_does_not_rename_the_failure():
 
 
 def test_past_the_restart_budget_the_last_verdict_names_crash_or_hang():
-    hang = _first(DIED, {**HUNG, "t": 20.0}, _down("hung"))
+    failed = {**FAILED, "t": 31.0}  # the controller's: no engine left (rl/engines.py check_down)
+    hang = _first(DIED, {**HUNG, "t": 20.0}, _down("hung"), failed)
     assert hang.kind == "engine_hang" and "down past rollout.max_restarts = 3" in hang.headline, hang
     assert "last: hung (on n3, pid 77, process state stopped)" in hang.headline, hang
-    assert _first({**HUNG, "t": 5.0}, DIED, _down("died")).kind == "engine_crash"
+    assert _first({**HUNG, "t": 5.0}, DIED, _down("died"), failed).kind == "engine_crash"
+
+
+def test_an_engine_down_while_another_served_on_is_told_not_blamed():
+    """Issue 38: engine 1 past its budget, engine 0 serving every step; the job finished. Its headline stays
+    `finished`; every engine is named, the one that served throughout too."""
+    serving = {"role": "rollout", "rank": 0, "state": "exited"}
+    out = {"kind": "engine_out", "t": 30.5, "engine": 1, "url": URL, "resent": 0,
+           "cause": "down: its supervisor gave up on it past rollout.max_restarts = 3"}
+    cause = classify(Facts(events=[DIED, {**DIED, "t": 20.0}, _down("died"), out,
+                                   {"kind": "done", "t": 50.0, "step": 5}],
+                           heartbeats=[serving, {"role": "rollout", "rank": 1, "state": "running"}], host="h",
+                           now=100.0))[0]
+    assert cause.kind == "finished", cause
+    assert "engine 0: served throughout (no death, no hang, never out of rotation)" in cause.evidence, cause
+    assert ("engine 1: 2 deaths, down past rollout.max_restarts = 3 on n3: out of rotation for good, the others "
+            "served on") in cause.evidence, cause
 
 
 def test_engines_replaced_in_a_job_that_finished_are_evidence_of_it():

@@ -18,7 +18,8 @@ from rlslurm.config import load_config
 from rlslurm.devices import component_step, local_gpu_ids, machine_gpus, seen, spawned_engine_env, visible_gpus
 from rlslurm.errors import ConfigError, PreflightError, RlslurmError
 from rlslurm.layout import JobLayout
-from rlslurm.plan.report import build_plan, preflight, render_json, render_text
+from rlslurm.plan.render import render_json, render_text
+from rlslurm.plan.report import build_plan, preflight
 from rlslurm.rundir import RunDir
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -35,7 +35,6 @@ def _load(tmp_path, text: str) -> JobConfig:
 @pytest.mark.parametrize("text, fragments", [
     ("job: {kind: toy}\n", ["train.backend = 'megatron'", "job.kind = 'rl' and 'sft'", "set train.backend = torch"]),
     ("rl: {kl_coef: 0.1}\n", ["rl.kl_coef = 0.1", "reference model", "set rl.kl_coef = 0"]),
-    ("parallel: {pp: 2}\nmodel: {layers: 2}\n", ["parallel.pp = 2", "must be 1 with train.backend = 'megatron'"]),
     ("memory: {weight_bytes: 1}\n", ["memory.weight_bytes = 1", "must be 2", "or 4"]),
 ])
 def test_megatron_settings_it_cannot_run_are_refused_at_load(tmp_path, text, fragments):
@@ -43,6 +42,21 @@ def test_megatron_settings_it_cannot_run_are_refused_at_load(tmp_path, text, fra
         _load(tmp_path, "train: {backend: megatron}\n" + text)
     for fragment in fragments:
         assert fragment in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("backend, text, fragment", [
+    ("megatron", "parallel: {pp: 2}\nmodel: {layers: 2}\n",
+     "parallel.pp = 2 must be 1 with train.backend = 'megatron'"),
+    ("megatron", "parallel: {ep: 2}\nmodel: {experts: 4, topk: 2}\n", "model.experts = 4"),
+    ("torch", "parallel: {tp: 2}\n", "parallel.tp = 2 needs train.backend = megatron"),
+])
+def test_layouts_a_trainer_cannot_run_are_planned_and_refused_by_preflight(tmp_path, backend, text, fragment):
+    """The arithmetic is for the cluster a user will run; submit's pre-flight names what rlslurm cannot run."""
+    from rlslurm.plan.report import build_plan, preflight
+
+    job = _load(tmp_path, f"train: {{backend: {backend}}}\nhardware: {{nodes: 2, gpus_per_node: 4}}\n" + text)
+    problems = preflight(build_plan(job))
+    assert any(fragment in p for p in problems), problems
 
 
 def test_megatron_loads_for_rl_and_sft_and_torch_is_unaffected(tmp_path):
@@ -79,7 +93,8 @@ def test_checkpoint_shape_is_read_from_config_json_and_other_layouts_are_refused
 
 
 def test_the_smoke_job_loads_and_plans_one_colocated_gpu():
-    from rlslurm.plan.report import build_plan, preflight, render_json
+    from rlslurm.plan.render import render_json
+    from rlslurm.plan.report import build_plan, preflight
 
     job = load_config(ROOT / "examples" / "tiny-grpo-gpu.yaml")
     assert (job.train.backend, job.rollout.engine, job.placement.mode, job.train.steps) == ("megatron", "vllm",
@@ -129,7 +144,7 @@ def test_report_reads_verify_gbps_and_peak_memory_from_a_run_directory(tmp_path,
     assert [(x.version, x.transport, x.verified) for x in s.syncs] == [(0, "ipc", True), (1, "ipc", True),
                                                                        (2, "ipc", True)]
     assert s.nccl is False  # ipc, although the trainer had NCCL
-    assert s.predicted_peak_gb == pytest.approx(4.2617)
+    assert s.predicted_peak_gb == pytest.approx(4.2618)
     assert (s.measured_peak_allocated_gb, s.measured_peak_reserved_gb) == (2.75, 3.02)
     text = smoke.render(s)
     for line in ("sync to v1: ipc, VERIFY passed (attempts 1), update 4.00 GB/s (486.7 MB in 0.122 s)",
@@ -156,7 +171,7 @@ def test_report_fails_on_a_failed_sync_a_missing_step_or_no_memory_figure(tmp_pa
     assert not s.ok
     problems = " | ".join(s.problems)
     for fragment in ("no `done` event", "1 of train.steps = 2", "sync_failed version 2", "2 verified syncs, expected 3",
-                     "no train_peak_allocated_gb"):
+                     "no trainer_peak_gb"):
         assert fragment in problems, problems
     assert "result: FAIL" in smoke.render(s)
     # broadcast on a CUDA trainer counts as NCCL
@@ -178,7 +193,7 @@ def _policy_with_adam(rank: int, world: int, tp: int = 1, seed: int = 0):
     parts = [torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)]
     adams = [torch.optim.Adam(m.parameters(), lr=0.1) for m in parts]
     policy = SimpleNamespace(topo=Topology(rank, world, rank, "127.0.0.1", 0), layout=SimpleNamespace(tp=tp),
-                             job=JobConfig(), steps=0,
+                             job=JobConfig(), steps=0, distributed_optimizer=True,
                              megatron_optimizer=SimpleNamespace(
                                  chained_optimizers=[SimpleNamespace(optimizer=a) for a in adams]))
     return policy, parts, adams

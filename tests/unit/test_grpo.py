@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from rlslurm.errors import RlslurmError
+from rlslurm.logprobs import CausalLMScorer
 from rlslurm.rl.experience import Sample, build_samples, group_advantages
 from rlslurm.rl.policy import Policy
 from rlslurm.tasks.arithmetic import Problem
@@ -103,7 +104,7 @@ def _mean_logprobs(policy: Policy, samples: list[Sample]) -> torch.Tensor:
     with torch.no_grad():
         for s in samples:
             ids = torch.tensor([s.prompt_ids + s.response_ids])
-            lp = Policy._logprobs(policy.model, ids, torch.ones_like(ids))[0, len(s.prompt_ids) - 1:]
+            lp = CausalLMScorer(policy.model, fused=False)(ids, torch.ones_like(ids))[0, len(s.prompt_ids) - 1:]
             out.append(lp.mean())
     return torch.stack(out)
 
@@ -135,3 +136,90 @@ def test_with_kl_the_reference_stays_frozen_and_the_penalty_is_reported(policy_a
     assert first["kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before any step
     assert second["kl"] > 0
     assert all(torch.equal(v, with_kl.reference.state_dict()[k]) for k, v in reference.items())
+
+
+def _forwards(policy: Policy) -> dict:
+    """Counts the model's forward passes, with and without grad, from now on."""
+    seen = {"grad": 0, "no_grad": 0}
+
+    def hook(module, args, output):
+        seen["grad" if torch.is_grad_enabled() else "no_grad"] += 1
+
+    policy.model.register_forward_hook(hook)
+    return seen
+
+
+def _with_engine_logprobs(samples: list[Sample], stale: bool) -> list[Sample]:
+    """Half the samples stale (behaviour = the engine's: made-up log-probs here), every one with engine log-probs."""
+    return [dataclasses.replace(s, engine_logprobs=[-0.5 - 0.1 * j for j in range(len(s.response_ids))],
+                                staleness=int(stale and i % 2)) for i, s in enumerate(samples)]
+
+
+@pytest.mark.parametrize("stale", [False, True])
+def test_one_mini_batch_takes_its_behaviour_log_probs_from_the_training_forward(policy_and_guard, tmp_path, stale,
+                                                                                 monkeypatch):
+    """rl.mini_batches = 1: one forward per micro-batch, with grad (no separate behaviour forward, TRL's
+    `old = new.detach()`), and the very update, loss and diagnostics the separate no-grad forward gave."""
+    import rlslurm.rl.policy as policy_module
+
+    policy, guard = policy_and_guard
+    job = dataclasses.replace(policy.job, parallel=dataclasses.replace(policy.job.parallel, micro_batch_size=12))
+    samples = _with_engine_logprobs(_batch(), stale)  # 32 samples: micro-batches of 12, 12 and 8
+    fused, separate = (Policy(job, policy.topo, tmp_path / "init") for _ in range(2))
+    counted = _forwards(fused)
+    got = fused.update(samples, guard)
+    assert counted == {"grad": 3, "no_grad": 0}
+    monkeypatch.setattr(policy_module, "behaviour_forward", lambda mini_batches: True)  # the old way
+    counted = _forwards(separate)
+    want = separate.update(samples, guard)
+    assert counted == {"grad": 3, "no_grad": 3}
+    for key in ("loss", "tokens", "grad_norm", "clip_fraction", "engine_trainer_logprob_gap", "stale_logprob_drift"):
+        assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+    assert (got["stale_logprob_drift"] > 0) == stale and got["engine_trainer_logprob_gap"] > 0
+    for a, b in zip(fused.model.parameters(), separate.model.parameters()):
+        assert torch.allclose(a, b, atol=1e-7)
+
+
+def test_two_mini_batches_keep_the_behaviour_forward_and_the_plan_counts_what_runs(policy_and_guard, tmp_path):
+    """rl.mini_batches = 2: the behaviour log-probs come from a no-grad forward before the first step (the second
+    mini-batch's ratio is against them); the plan's train step counts that forward exactly when it runs."""
+    from rlslurm.modelspec import param_counts
+    from rlslurm.plan.compute import device_speed, train_seconds
+
+    policy, guard = policy_and_guard
+    base = dataclasses.replace(policy.job, parallel=dataclasses.replace(policy.job.parallel, micro_batch_size=8))
+    for mini, forwards in ((1, {"grad": 4, "no_grad": 0}), (2, {"grad": 4, "no_grad": 4})):
+        job = dataclasses.replace(base, rl=dataclasses.replace(base.rl, mini_batches=mini))
+        trained = Policy(job, policy.topo, tmp_path / "init")
+        counted = _forwards(trained)
+        assert trained.update(_batch(), guard)["mini_batches"] == mini
+        assert counted == forwards
+        planned = train_seconds(job, param_counts(job.model), 1, device_speed(job.hardware, job.timing.mfu))
+        assert ("behaviour forward" in planned.how) == (counted["no_grad"] > 0), planned.how
+
+
+def test_the_engine_trainer_gap_is_the_largest_difference_at_each_fresh_samples_own_positions():
+    """UpdateStats.observe (vectorised): the largest |trainer - engine| log-prob over the response positions of the
+    fresh samples only, each at its own offset (prompts and responses of different lengths), as one sample at a
+    time computes it."""
+    from rlslurm.rl.objective import UpdateStats, behaviour_logprobs, pack
+
+    rng = torch.Generator().manual_seed(0)
+    samples = []
+    for i in range(9):
+        prompt = [1] + [4 + (i + j) % 10 for j in range(3 + i % 3)]
+        response = [5 + j for j in range(1 + i % 4)] + [EOS_ID]
+        engine = torch.randn(len(response), generator=rng).tolist()
+        samples.append(Sample(prompt, response, 0.0, 1.0, 0, engine if i != 4 else [], staleness=int(i % 3 == 2)))
+    batch = pack(samples, 0)
+    old = torch.randn(batch.mask.shape, generator=rng)
+    stats = UpdateStats()
+    stats.observe(samples, batch, old, behaviour_logprobs(batch, old))
+    want = 0.0
+    for i, s in enumerate(samples):
+        if s.staleness == 0 and s.engine_logprobs:
+            start = len(s.prompt_ids) - 1
+            trainer = old[i, start: start + len(s.engine_logprobs)]
+            want = max(want, float((trainer - torch.tensor(s.engine_logprobs)).abs().max()))
+    assert stats.gap == pytest.approx(want) and want > 0
+    assert stats.tokens == sum(len(s.response_ids) for s in samples)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import yaml
 from click.testing import CliRunner
 
@@ -96,3 +97,39 @@ def test_an_invalid_answer_writes_nothing(tmp_path):
     assert not (tmp_path / "job.yaml").exists()
     bad_dir = _init(tmp_path, *CLUSTER, "--model-dir", str(tmp_path / "nowhere"))
     assert bad_dir.exit_code != 0 and "--model-dir" in bad_dir.output and "config.json" in bad_dir.output
+
+
+def test_a_planted_link_is_never_written_through(tmp_path):
+    """Issue 37: `init -o job.yaml` followed a dangling link planted at the name (writing its target), and
+    `--force` wrote through any link. Now the file is created anew (O_EXCL | O_NOFOLLOW) and --force renames a new
+    file over the name: the link is replaced, its target untouched."""
+    target = tmp_path / "victim"
+    (tmp_path / "job.yaml").symlink_to(target)  # dangling: exists() is False
+    refused = _init(tmp_path, *CLUSTER)
+    assert refused.exit_code == 2 and "a symbolic link" in refused.output, refused.output
+    assert not target.exists()
+    target.write_text("precious\n")
+    forced = _init(tmp_path, *CLUSTER, "--force")
+    assert forced.exit_code == 0, forced.output
+    assert target.read_text() == "precious\n"
+    assert not (tmp_path / "job.yaml").is_symlink() and load_config(tmp_path / "job.yaml").hardware.nodes == 3
+
+
+def test_the_clis_other_outputs_replace_a_link_instead_of_writing_through_it(tmp_path):
+    from rlslurm.data.humaneval import write_jsonl
+    from rlslurm.errors import OutputFileError
+    from rlslurm.outfile import replacing, write_file
+
+    target = tmp_path / "victim"
+    target.write_text("precious\n")
+    for name in ("out.jsonl", "bundle.tar.gz"):
+        (tmp_path / name).symlink_to(target)
+    write_jsonl(tmp_path / "out.jsonl", [{"row": 0}])  # score --out and humaneval --out: replace=True
+    with replacing(tmp_path / "bundle.tar.gz") as f:  # the diag bundle
+        f.write(b"gz")
+    assert target.read_text() == "precious\n"
+    assert (tmp_path / "out.jsonl").read_text() == '{"row": 0}\n' and (tmp_path / "bundle.tar.gz").read_bytes() == b"gz"
+    (tmp_path / "link").symlink_to(target)
+    with pytest.raises(OutputFileError, match="a symbolic link"):
+        write_file(tmp_path / "link", "x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle.tar.gz", "link", "out.jsonl", "victim"]  # no temp

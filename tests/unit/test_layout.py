@@ -19,7 +19,8 @@ from rlslurm import launch
 from rlslurm.config import load_config
 from rlslurm.errors import ConfigError, PreflightError
 from rlslurm.layout import JobLayout
-from rlslurm.plan.report import build_plan, render_json
+from rlslurm.plan.render import render_json
+from rlslurm.plan.report import build_plan
 from rlslurm.rundir import RunDir
 from rlslurm.sync.protocol import transport_for
 

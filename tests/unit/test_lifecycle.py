@@ -135,3 +135,23 @@ def test_trainer_restarts_inside_the_allocation_have_their_own_budget_not_the_st
     records = read_jsonl(run.jobs)
     assert [r.get("trainer_restart") for r in records] == [None, 1, 2, None, 1, None]
     assert [e.get("trainer_restart") for e in read_events(run, "resume")] == [None, 1, 2, None, 1]
+
+
+def test_a_process_age_is_to_the_clock_tick_not_the_boot_times_second():
+    """rlslurm/lifetime.py process_age_s (the first_step event's since_process_start_s): a child's age at its
+    start is ~0, and it ages as the wall clock does."""
+    import subprocess
+    import sys
+    import time
+
+    from rlslurm.lifetime import process_age_s
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        young = process_age_s(child.pid)
+        time.sleep(0.3)
+        older = process_age_s(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+    assert 0 <= young < 0.5 and 0.25 < older - young < 1.0, (young, older)

@@ -17,7 +17,8 @@ from rlslurm.diag.env_diff import compare, read_fingerprints, write_fingerprint
 from rlslurm.errors import ConfigError, PreflightError
 from rlslurm.layout import JobLayout
 from rlslurm.network import NetworkConfig, network_env
-from rlslurm.plan.report import build_plan, render_json, render_text
+from rlslurm.plan.render import render_json, render_text
+from rlslurm.plan.report import build_plan
 from rlslurm.rundir import RunDir
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -19,7 +19,8 @@ from rlslurm.config import JobConfig, load_config
 from rlslurm.configfile import load_mapping
 from rlslurm.errors import ConfigError
 from rlslurm.plan.parallel import ParallelConfig, static_rules, world_rules
-from rlslurm.plan.report import build_plan, preflight, render_json, render_text
+from rlslurm.plan.render import render_json, render_text
+from rlslurm.plan.report import build_plan, preflight
 
 ROOT = Path(__file__).resolve().parents[2]
 LECTURE = ROOT / "examples" / "lecture-h20.yaml"
@@ -37,6 +38,7 @@ memory: {recompute: selective}
 placement: {mode: auto}
 rollout: {tp: 1, max_seq_len: 4096}
 sync: {method: auto}
+timing: {train_step_s: 1.0, rollout_s: 1.0}   # measured figures: this file tests the choice, not the counts
 """
 
 
@@ -99,7 +101,7 @@ def test_colocation_needing_offload_is_shown_never_chosen_and_refused_when_asked
     job = plan.job
     forced = dataclasses.replace(job, placement=dataclasses.replace(job.placement, mode="colocate"),
                                  reward=dataclasses.replace(job.reward, service="local", partition=None))
-    problems = preflight(build_plan(forced))
+    problems = [p for p in preflight(build_plan(forced)) if not p.startswith(("parallel.ep", "model.experts"))]
     assert len(problems) == 1 and "does not do yet" in problems[0] and "placement.mode: separate" in problems[0]
 
 
@@ -109,13 +111,14 @@ def test_plan_exits_3_on_a_refused_split_after_printing_the_whole_plan():
     assert code == 3, (out, err)
     assert "Trainer memory per GPU" in out and "checkpoint (C = 490 s" in out  # the whole plan, then the verdict
     assert "preflight: REFUSE: separate, 16 training GPUs: trainer OOM, peak 101.5 GB > 96 GB" in out
-    assert "pre-flight refuses this job (1 problem(s)" in err
+    # 3: the OOM, and the two things rlslurm's Megatron trainer does not run yet (EP 8, MoE)
+    assert "pre-flight refuses this job (3 problem(s)" in err
 
     code, out, err = _plan(LECTURE, "--json", "--set", "placement.mode=separate", "--set",
                            "placement.rollout_nodes=3", "--set", "rollout.engines=3")
     assert code == 3 and "preflight_problems" in err
-    assert "trainer OOM" in json.loads(out)["preflight_problems"][0]
-    assert _plan(LECTURE)[0] == 0
+    assert "trainer OOM" in json.loads(out)["preflight_problems"][2]
+    assert _plan(LECTURE)[0] == 3  # EP 8 and MoE: planned, not runnable by rlslurm's trainers yet
 
 
 BROKEN = """
@@ -169,7 +172,8 @@ def recompute_plans() -> dict:
 
 def test_recompute_moves_memory_and_step_time_as_question_1b_reasons(recompute_plans):
     full, selective, none = (recompute_plans[m].chosen for m in ("full", "selective", "none"))
-    assert full.memory.peak.value == pytest.approx(75.28, abs=0.01)  # question 1a
+    # question 1a: 75.28 GB + the fused path's own working set (one chunk's logits, 0.08 GB)
+    assert full.memory.peak.value == pytest.approx(75.36, abs=0.01)
     assert full.train_step.value == pytest.approx(150)
     # selective keeps attention's inputs and the MLP's: + 11.3 GB, still under 96 GB (tight)...
     assert selective.memory.peak.value - full.memory.peak.value == pytest.approx(11.29, abs=0.01)

@@ -11,10 +11,11 @@ import transformers
 from rlslurm.config import JobConfig
 from rlslurm.configfile import FieldError
 from rlslurm.modelspec import ModelConfig, param_counts, shape_counts
+from rlslurm.plan.activations import activations
 from rlslurm.plan.checkpoint_interval import checkpoint_interval
 from rlslurm.plan.decode import capacity, kv_cache, roofline, weights_gb
 from rlslurm.plan.hardware import HardwareConfig
-from rlslurm.plan.memory import MemoryConfig, activations, trainer_memory, verdict
+from rlslurm.plan.memory import MemoryConfig, resolve, trainer_memory, verdict
 from rlslurm.plan.parallel import ParallelConfig, rollout_rules, static_rules, world_rules
 from rlslurm.plan.quantity import Q
 from rlslurm.plan.steptime import TimingConfig, amortise, reward_phase, sync_times, train_step_s
@@ -58,6 +59,11 @@ def test_overrides_win_and_are_named():
 SHAPE = ModelConfig(layers=2, hidden=64, heads=4, ffn_hidden=256, vocab=32)
 
 
+def _megatron(**memory) -> MemoryConfig:
+    """memory: as the Megatron trainer resolves it on a GPU profile (bf16, distributed optimizer)."""
+    return resolve(MemoryConfig(**memory), "megatron", "h20-96g")
+
+
 @pytest.mark.parametrize("recompute,tp,expected_bytes", [
     ("none", 1, 2 * 128 * 2 * 64 * (34 + 5 * 4 * 128 / 64)),   # 2,424,832
     ("selective", 1, 2 * 128 * 2 * 64 * 34),                    # 1,114,112
@@ -66,7 +72,7 @@ SHAPE = ModelConfig(layers=2, hidden=64, heads=4, ffn_hidden=256, vocab=32)
 ])
 def test_activation_formulas(recompute: str, tp: int, expected_bytes: float):
     p = ParallelConfig(seq_len=128, micro_batch_size=2, tp=tp)
-    act = activations(SHAPE, p, MemoryConfig(recompute=recompute, temporaries_gb=1.0))
+    act = activations(SHAPE, p, _megatron(recompute=recompute, temporaries_gb=1.0), "megatron")
     assert act.layers.value == pytest.approx(expected_bytes / 1e9)
     logits = 2 * 128 * 32 * 4 * 2 / tp / 1e9
     assert act.logits.value == pytest.approx(logits)
@@ -75,20 +81,55 @@ def test_activation_formulas(recompute: str, tp: int, expected_bytes: float):
 
 def test_moe_mlp_activations_scale_with_topk_width():
     moe = dataclasses.replace(SHAPE, experts=8, topk=2, expert_ffn_hidden=64)  # 2 x 64 = 4h / 2: MLP 19 -> 9.5
-    act = activations(moe, ParallelConfig(seq_len=128), MemoryConfig(recompute="selective"))
+    act = activations(moe, ParallelConfig(seq_len=128), _megatron(recompute="selective"), "megatron")
     assert act.layers.value == pytest.approx(2 * 128 * 64 * (15 + 9.5) / 1e9)
 
 
 def test_calibrated_activations_and_fused_ce():
-    mem = MemoryConfig(activation_gb=47.5, logits_gb=13.0, fused_ce=True)
-    act = activations(SHAPE, ParallelConfig(), mem)
-    assert (act.total.value, act.fused_ce_saving.value) == (47.5, 13.0)
+    mem = _megatron(activation_gb=47.5, logits_gb=13.0, fused_ce=True)
+    act = activations(SHAPE, ParallelConfig(), mem, "megatron")
+    # The fused path's own working set: 2 x 64 tokens x 32 vocab x 4 B + 64 tokens x h 64 x 2 B (bf16).
+    working = (2 * 64 * 32 * 4 + 64 * 64 * 2) / 1e9
+    assert act.total.value == 47.5 and act.fused_ce_saving.value == pytest.approx(13.0 - working)
+
+
+def test_torch_activations_by_hand():
+    """transformers' Llama in fp32 as the torch trainer runs it (rlslurm/plan/activations.py), worked by hand:
+    s 128 x b 2 tokens, h 64, kv 64, f 256, vocab 32, 2 layers."""
+    p = ParallelConfig(seq_len=128, micro_batch_size=2)
+    act = activations(SHAPE, p, resolve(MemoryConfig(), "torch", "cpu"), "torch")
+    assert act.layers.value == pytest.approx(2 * 256 * (9 * 64 + 2 * 64 + 4 * 256) * 4 / 1e9)
+    assert act.around.value == pytest.approx(256 * (6 * 64 + 2 * 256) * 4 / 1e9)
+    assert act.logits.value == pytest.approx(3 * 2 * 127 * 32 * 4 / 1e9)
+    assert act.temporaries.value == 0.0  # the cpu profile: no communication buffers on a GPU
+    full = activations(SHAPE, p, resolve(MemoryConfig(recompute="full"), "torch", "cpu"), "torch")
+    assert full.layers.value == pytest.approx(2 * 256 * 64 * 4 / 1e9)  # each layer's input
+    assert full.around.value == pytest.approx(act.around.value + act.layers.value / 2)  # + one layer recomputed
+
+
+def test_torch_resident_and_peak_by_hand():
+    """fp32 weights and grads, Adam's moments unsharded, DDP's buckets at world > 1; one micro-batch per step:
+    the worse of the backward's start (no gradient yet) and its end (every gradient, and a tied embedding's two
+    [vocab, h] gradients and their sum)."""
+    counts = param_counts(SHAPE)
+    mem = resolve(MemoryConfig(), "torch", "cpu")
+    one = trainer_memory(counts, SHAPE, ParallelConfig(seq_len=128, micro_batch_size=2), mem, 4.0, dp=2,
+                         backend="torch", accumulates=False)
+    n = counts.dense
+    assert (one.weights.value, one.grads.value, one.dense_optimizer.value, one.buckets.value) == pytest.approx(
+        (n * 4 / 1e9, n * 4 / 1e9, n * 8 / 1e9, n * 4 / 1e9))
+    head = 32 * 64 * 4 / 1e9
+    assert one.peak.value == pytest.approx(max(one.resident.value - one.grads.value + one.activations.total.value,
+                                               one.resident.value + 2 * head))
+    more = trainer_memory(counts, SHAPE, ParallelConfig(seq_len=128, micro_batch_size=2), mem, 4.0, dp=2,
+                          backend="torch", accumulates=True)
+    assert more.peak.value == pytest.approx(more.resident.value + more.activations.total.value)
 
 
 def test_resident_terms_by_hand():
     counts = param_counts(ModelConfig(experts=8, topk=2, expert_params_b=8.0, dense_params_b=1.0))
     p = ParallelConfig(ep=4, tp=1)
-    mem = trainer_memory(counts, ModelConfig(experts=8, topk=2), p, MemoryConfig(activation_gb=10.0), 80.0, dp=8)
+    mem = trainer_memory(counts, ModelConfig(experts=8, topk=2), p, _megatron(activation_gb=10.0), 80.0, dp=8)
     # experts per GPU 8e9 / 4 = 2e9; expert-DP 8 / 4 = 2; dense 1e9 sharded over DP 8
     assert mem.weights.value == pytest.approx((1 + 2) * 2)
     assert mem.grads.value == pytest.approx((1 + 2) * 4)

@@ -19,7 +19,7 @@ import textwrap
 import pytest
 
 from rlslurm.modelspec import ModelConfig, param_counts
-from rlslurm.plan.memory import MemoryConfig, trainer_memory
+from rlslurm.plan.memory import MemoryConfig, resolve, trainer_memory
 from rlslurm.plan.parallel import ParallelConfig, data_parallel, expert_data_parallel, world_rules
 
 # (world, tp, pp, cp, ep, etp): the lecture's, CP with EP, TP x PP x CP, ETP != TP, and one Megatron refuses.
@@ -75,7 +75,8 @@ def test_group_sizes_are_megatrons(megatron_groups, index: int):
     # The memory the plan prints shards the optimizer over exactly those groups.
     model = ModelConfig(layers=4, heads=8, hidden=512, experts=16, topk=2)
     counts = param_counts(dataclasses.replace(model, expert_params_b=16.0, dense_params_b=1.0))
-    mem = trainer_memory(counts, model, p, MemoryConfig(activation_gb=1.0), 80.0, dp=theirs["dp"])
+    mem = trainer_memory(counts, model, p, resolve(MemoryConfig(activation_gb=1.0), "megatron", "h100-80g"), 80.0,
+                         dp=theirs["dp"])
     assert mem.expert_dp == theirs["expert_dp"]
     expert_per_gpu = 16e9 / (ep * (etp or tp) * pp)
     assert mem.expert_optimizer.value == pytest.approx(expert_per_gpu * 12 / theirs["expert_dp"] / 1e9)

@@ -60,4 +60,4 @@ def test_the_rl_job_uses_only_the_interface(module):
 def test_the_scan_sees_the_loops_calls():
     # The AST scan must find the loop's real calls, or the check above passes vacuously.
     used = {attr for attr, _ in _policy_attributes(ROOT / "rlslurm/rl/loop.py")}
-    assert {"update", "weights", "model", "tokenizer"} <= used
+    assert {"update", "served_weights", "model", "tokenizer"} <= used

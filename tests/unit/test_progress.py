@@ -13,7 +13,7 @@ import pytest
 
 from rlslurm.launch import failure_message, root_cause
 from rlslurm.progress import LinePrinter, Progress
-from rlslurm.rundir import JsonlTail, RunDir
+from rlslurm.rundir import JsonlTail, RunDir, current_names
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "progress"
 
@@ -73,7 +73,7 @@ def test_the_line_of_an_sft_run_and_of_the_toy_job(tmp_path):
     line = Progress(run, total_steps=12).poll()
     steps = [json.loads(m) for m in _lines("sft", "metrics.jsonl") if '"sft_step"' in m]
     assert line.startswith(f"step 12/12 100% | loss {steps[-1]['loss']:.4f} | lr {steps[-1]['lr']:.2e} | ")
-    evaluation = json.loads(_lines("sft", "metrics.jsonl")[-1])
+    evaluation = json.loads(_lines("sft", "metrics.jsonl")[-1])  # recorded before issue 39: the old spelling
     assert f"held-out {evaluation['heldout_accuracy']:.3f} (step 12)" in line and line.endswith("| done")
 
     toy = _run(tmp_path / "toy")
@@ -89,6 +89,23 @@ def test_the_line_of_an_sft_run_and_of_the_toy_job(tmp_path):
             f.write(json.dumps({"t": t, "step": s, "loss": 1.0 / s, "restart_count": 2}) + "\n")
     assert progress.poll() == ("step 4/7 57% | loss 0.2500 | 0.500 s/step | ETA 2s | restart 2 | "
                                "resumed from step-00000002")
+
+
+def test_an_sft_runs_held_out_accuracy_reads_under_its_one_name_and_the_old_one(tmp_path):
+    # One name per metric (docs/metrics.md): SFT now writes held_out_accuracy as RL does; the recorded run above
+    # wrote heldout_accuracy, and both read the same.
+    lines = {}
+    for spelling in ("old", "new"):
+        run = _run(tmp_path / spelling)
+        shutil.copy(DATA / "sft" / "events.jsonl", run.path / "events.jsonl")
+        records = [json.loads(m) for m in _lines("sft", "metrics.jsonl")]
+        if spelling == "new":
+            records = [current_names(r) for r in records]
+            assert "held_out_accuracy" in records[-1] and not any("heldout" in k for r in records for k in r)
+        run.metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
+        lines[spelling] = Progress(run, total_steps=12).poll()
+    assert lines["new"] == lines["old"] and "held-out " in lines["new"]
+    assert current_names({"heldout_loss": 0.5, "step": 3}) == {"held_out_loss": 0.5, "step": 3}
 
 
 def test_a_torn_line_is_skipped_and_a_missing_file_is_empty(tmp_path):

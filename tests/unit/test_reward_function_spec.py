@@ -15,9 +15,9 @@ from rlslurm.data.sample import Sample
 from rlslurm.errors import ConfigError
 from rlslurm.reward.config import RewardConfig
 from rlslurm.reward.function import load_function, split_spec, verl_arguments
-from rlslurm.reward.items import item_for
-from rlslurm.reward.scorers import Item, code_program
-from rlslurm.reward.workers import _score_of
+from rlslurm.reward.items import Item, item_for
+from rlslurm.reward.scorers import code_program
+from rlslurm.reward.worker import _score_of
 
 
 def test_split_spec():

@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from rlslurm.reward.scorers import gsm8k_final, rule_score, rule_verdict
+from rlslurm.reward.answers import gsm8k_final, rule_verdict
+from rlslurm.reward.math_answers import rule_score
 
 
 @pytest.mark.parametrize("response, reference, score", [

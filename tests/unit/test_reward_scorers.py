@@ -8,8 +8,10 @@ import pytest
 
 from rlslurm.configfile import load_mapping
 from rlslurm.errors import ConfigError
+from rlslurm.reward.answers import extract_answer, normalise_number
 from rlslurm.reward.config import RewardConfig
-from rlslurm.reward.scorers import extract_answer, extract_code, normalise_number, parse_judge_reply, rule_score
+from rlslurm.reward.math_answers import rule_score
+from rlslurm.reward.scorers import extract_code, parse_judge_reply
 
 
 @pytest.mark.parametrize("text, number", [
@@ -72,7 +74,7 @@ def test_config_errors_name_the_key():
 
 
 def test_rule_scorer_scores_the_arithmetic_task_exactly_as_its_own_rule():
-    """The RL job hands the service normalize(text) and ANSWER_FORMAT (rlslurm/rl/controller.py reward_config): every
+    """The RL job hands the service normalize(text) and ANSWER_FORMAT (rlslurm/rl/scoring.py reward_config): every
     response the engines can write - any string over the tokenizer's alphabet - must score the same."""
     import random
 

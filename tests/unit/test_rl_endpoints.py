@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import types
 
 import pytest
 import torch
@@ -90,3 +92,35 @@ def test_engine_args_put_the_hf_engine_on_the_gpu_where_there_is_one(monkeypatch
     assert engine_args(job) == ["--threads", "1", "--device", "cuda"]
     vllm = dataclasses.replace(job, rollout=dataclasses.replace(job.rollout, engine="vllm"))
     assert engine_args(vllm) == ["--threads", "1"]  # vLLM places itself
+    assert engine_args(vllm, threads=4) == ["--threads", "1"]
+
+
+def test_spawned_engines_take_the_cores_the_trainer_leaves_idle_while_they_generate(monkeypatch):
+    """Beside the trainer: every core while the ranks wait for the rollout (rl.max_staleness 0), what the ranks
+    on them leave when the rollout overlaps training, shared between the engines, at least one thread."""
+    from rlslurm.rl.engines import spawned_engine_threads
+
+    job = dataclasses.replace(JobConfig(), rl=dataclasses.replace(JobConfig().rl, max_staleness=0))
+    layout = types.SimpleNamespace(train_tasks_per_node=2, engines=1)  # the demo's: 2 trainer ranks, 1 engine
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    assert engine_args(job, spawned_engine_threads(job, layout, cores=8))[:2] == ["--threads", "8"]
+    ahead = dataclasses.replace(job, rl=dataclasses.replace(job.rl, max_staleness=1))
+    assert spawned_engine_threads(ahead, layout, cores=8) == 6  # 2 ranks hold a core each while they train
+    assert spawned_engine_threads(ahead, layout, cores=2) == 1  # rank 0's own cores on SLURM: it trains on one
+    two = types.SimpleNamespace(train_tasks_per_node=2, engines=2)
+    assert spawned_engine_threads(job, two, cores=8) == 4 and spawned_engine_threads(ahead, two, cores=2) == 1
+
+
+def test_an_engine_of_several_threads_lets_them_sleep_between_regions(tmp_path, monkeypatch):
+    """OMP_WAIT_POLICY=PASSIVE for an hf engine of more than one thread (spinning threads stall under load), unless
+    the job's environment says otherwise; one thread gets nothing."""
+    from rlslurm.rl.engines import engine_launch
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    run, job = RunDir(tmp_path / "run").create(), JobConfig()
+    assert engine_launch(job, run, 0, tmp_path, host="127.0.0.1", threads=2).env["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert "OMP_WAIT_POLICY" not in engine_launch(job, run, 0, tmp_path, host="127.0.0.1", threads=1).env
+    vllm = dataclasses.replace(job, rollout=dataclasses.replace(job.rollout, engine="vllm"))
+    assert "OMP_WAIT_POLICY" not in engine_launch(vllm, run, 0, tmp_path, host="127.0.0.1", threads=2).env
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert "OMP_WAIT_POLICY" not in engine_launch(job, run, 0, tmp_path, host="127.0.0.1", threads=2).env

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from rlslurm.errors import RlslurmError, StalenessError
+from rlslurm.logprobs import CausalLMScorer
 from rlslurm.rl.experience import Experience, GroupAssembler, Sample, build_samples, group_advantages
 from rlslurm.rl.pipeline import ExperiencePipeline, ProducerGuard, stamp_staleness
 from rlslurm.rl.policy import Policy
@@ -295,7 +296,7 @@ def _samples(policy: Policy, shift: float, staleness: int) -> list[Sample]:
     for prompt, response, adv in [([1, 5, 15, 6, 17], [9, 2], 1.0), ([1, 7, 15, 7, 17], [5, 8, 2], -1.0)]:
         ids = torch.tensor([prompt + response])
         with torch.no_grad():
-            lp = Policy._logprobs(policy.model, ids, torch.ones_like(ids))[0, len(prompt) - 1:]
+            lp = CausalLMScorer(policy.model, fused=False)(ids, torch.ones_like(ids))[0, len(prompt) - 1:]
         out.append(Sample(prompt, response, 1.0, adv, 0, (lp + shift).tolist(), staleness))
     return out
 

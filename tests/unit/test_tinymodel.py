@@ -16,7 +16,7 @@ from rlslurm.modelspec import ModelConfig
 from rlslurm.tasks.arithmetic import Problem, score
 from rlslurm.tinymodel import HF_FILES, build_model, llama_config, load_hf, save_hf
 
-SMALL = ModelConfig(layers=2, hidden=32, heads=4, kv_heads=2, ffn_hidden=64, vocab=24, max_positions=32)
+SMALL = ModelConfig(layers=2, hidden=32, heads=4, kv_heads=2, ffn_hidden=64, vocab=28, max_positions=32)
 
 
 def _equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
@@ -28,12 +28,12 @@ def test_config_follows_model_section():
     c = llama_config(SMALL)
     assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
             c.intermediate_size, c.vocab_size, c.max_position_embeddings, c.tie_word_embeddings) == \
-        (2, 32, 4, 2, 64, 24, 32, True)
+        (2, 32, 4, 2, 64, 28, 32, True)
 
 
 def test_head_dim_is_the_model_sections_not_hidden_over_heads():
     # vLLM's CPU attention serves head sizes >= 32: model.head_dim gives the embedded model one at hidden 64.
-    wide = ModelConfig(layers=1, hidden=64, heads=4, head_dim=32, ffn_hidden=64, vocab=24, max_positions=32)
+    wide = ModelConfig(layers=1, hidden=64, heads=4, head_dim=32, ffn_hidden=64, vocab=28, max_positions=32)
     assert llama_config(wide).head_dim == 32 and llama_config(SMALL).head_dim == 8
     attn = build_model(wide, seed=0).model.layers[0].self_attn
     assert tuple(attn.q_proj.weight.shape) == (4 * 32, 64) and tuple(attn.o_proj.weight.shape) == (64, 4 * 32)
@@ -53,7 +53,7 @@ def test_build_leaves_the_callers_rng_alone():
 
 
 @pytest.mark.parametrize("model,fragment", [
-    (ModelConfig(vocab=8), "model.vocab = 8 must be >= 19"),
+    (ModelConfig(vocab=8), "model.vocab = 8 must be >= 26"),
     (ModelConfig(experts=4, topk=1), "model.experts = 4"),
 ])
 def test_shapes_the_embedded_model_cannot_take_are_refused(model, fragment):

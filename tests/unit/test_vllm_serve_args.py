@@ -15,7 +15,7 @@ from rlslurm.rollout.vllm_serve import GATE, LIMITS_ENV, SecretGate, limits_of, 
 
 def test_the_command_is_vllms_server_with_the_gate_the_transfer_engine_and_tp():
     cmd = serve_command("/m", python="/v/python", host="10.0.0.1", port=8000, tp=2, gpu_memory_utilization=0.1)
-    assert cmd[:3] == ["/v/python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert cmd[:3] == ["/v/python", "-m", "rlslurm.rollout.vllm_api"]
     flags = {cmd[i]: cmd[i + 1] for i in range(3, len(cmd) - 1)}
     assert flags["--tensor-parallel-size"] == "2" and flags["--middleware"] == GATE
     assert json.loads(flags["--weight-transfer-config"]) == {"backend": "rlslurm"}
