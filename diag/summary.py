@@ -136,14 +136,14 @@ def classify(facts: Facts) -> list[Cause]:
     for e in [e for e in ev.select(now_events, ev.RANK_DIED) if e.get("oom_killed")][:1]:
         # The node agent read the kernel's own count (diag/deaths.py): the rank left no word of its own.
         causes.append(Cause("oom_kill", f"out of memory: the kernel's OOM killer killed {label(e)} (pid "
-                            f"{e.get('rank_pid')} on {e.get('host')}) in phase {e.get('phase')} step {e.get('step')} "
+                            f"{e.get('rank_pid')} on {e.get('host')}) {when(e)} "
                             f"({oom_evidence(e)})", _symptoms(facts, now_events, alive)))
     oom = _grep(facts.logs, _OOM)
     oom_failed = [e for e in ev.select(now_events, ev.PHASE_FAILED) if _OOM.search(str(e.get("error")))]
     if state == "OUT_OF_MEMORY" or oom_failed or (oom and not alive):
         if oom_failed:
             e = oom_failed[0]
-            where = f"{e.get('role')}-{e.get('rank')} in phase {e.get('phase')} step {e.get('step')}: {e.get('error')}"
+            where = f"{e.get('role')}-{e.get('rank')} {when(e)}: {e.get('error')}"
         else:
             where = f"{oom[0]}: {oom[1].group(0)}" if oom else f"SLURM state {state}"
         forced = [f"submitted with --force past the plan's pre-flight: {problem}"
@@ -380,7 +380,7 @@ def rank_crashes(facts: Facts, now_events: list[dict], alive: list[dict]) -> Cau
     if died and len(died) < len(train):  # the node agent saw it die (diag/deaths.py): named from any host
         e = died[0]
         return Cause("rank_crash", f"trainer rank crash: {label(e)} (pid {e.get('rank_pid')} on {e.get('host')}) "
-                     f"died in phase {e.get('phase')} step {e.get('step')} without a Python exception or a clean "
+                     f"died {when(e)} without a Python exception or a clean "
                      f"exit (a signal: SIGKILL or a segfault; the OOM killer counted no kill)",
                      _symptoms(facts, now_events, alive))
     dead = [hb for hb in train if hb.get("state") == "running" and hb.get("host") == facts.host
@@ -389,10 +389,19 @@ def rank_crashes(facts: Facts, now_events: list[dict], alive: list[dict]) -> Cau
         first = min(dead, key=lambda hb: float(hb.get("t") or hb.get("last_progress") or 0))
         others = _symptoms(facts, now_events, alive)
         return Cause("rank_crash", f"trainer rank crash: {label(first)} (pid {first.get('pid')} on "
-                     f"{first.get('host')}) died in phase {first.get('phase')} step {first.get('step')} without a "
+                     f"{first.get('host')}) died {when(first)} without a "
                      f"Python exception or a clean exit (a signal: SIGKILL, a segfault or the kernel's OOM killer)",
                      others)
     return None
+
+
+def when(e: dict) -> str:
+    """Where in its run a rank was, in words: 'in phase train step 4', or before its first phase began (a rank
+    killed while it started has a heartbeat or event with neither)."""
+    if e.get("phase") is None and e.get("step") is None:
+        return "while it started (before its first phase)"
+    step = f" step {e.get('step')}" if e.get("step") is not None else ""
+    return f"in phase {e.get('phase')}{step}"
 
 
 def oom_evidence(e: dict) -> str:

@@ -9,15 +9,10 @@ Started by `WorkerPool` (workers.py: why processes, the wire, the lifecycle), ne
 
 from __future__ import annotations
 
-import json
-import os
-import signal
 import sys
-import time
 from typing import Any
 
-from rlslurm import lifetime
-from rlslurm.reward.workers import REASON_CHARS
+from rlslurm.reward.workers import REASON_CHARS, serve_lines
 
 
 def _score_of(value: Any, name: str) -> dict[str, Any]:
@@ -75,22 +70,8 @@ def _math_handler():
 
 def serve(argv: list[str]) -> None:
     """One worker: import, say ready, then answer requests until stdin closes."""
-    lifetime.bind_to_parent(signal.SIGKILL)
-    replies = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)  # the user's print() goes to the service's log, never into a reply
-    sys.stdout = sys.stderr
-    try:
-        handle = _function_handler(argv[1]) if argv[0] == "--function" else _math_handler()
-    except Exception as e:
-        replies.write(json.dumps({"error": f"{type(e).__name__}: {e}"[:1000]}) + "\n")
-        return
-    replies.write(json.dumps({"ready": True, "pid": os.getpid(), "started": time.time()}) + "\n")
-    for line in sys.stdin:
-        try:
-            reply = handle(json.loads(line))
-        except Exception as e:  # a malformed request: answer, keep serving
-            reply = {"score": None, "reason": f"worker error {type(e).__name__}: {e}"[:REASON_CHARS]}
-        replies.write(json.dumps(reply) + "\n")
+    serve_lines(lambda: _function_handler(argv[1]) if argv[0] == "--function" else _math_handler(),
+                lambda e: {"score": None, "reason": f"worker error {type(e).__name__}: {e}"[:REASON_CHARS]})
 
 
 if __name__ == "__main__":

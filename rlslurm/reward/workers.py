@@ -18,6 +18,9 @@ Wire: one JSON line per call each way, over the worker's stdin and stdout (local
 the worker first answers one line {"ready": true} or {"error": "..."} once its code is imported. It
 moves anything the user's code prints to stderr (the service's log), so stdout carries only replies.
 
+The worker's side of that wire is `serve_lines`, shared with the tool box's workers (rlslurm/tools/worker.py),
+whose pool is this one too.
+
 Lifecycle: workers start on first use (a rule scorer on plain numbers never starts one), live as long
 as the pool, and die with the service: `lifetime.bind_to_parent` in each (parent-death SIGKILL when
 spawned from the service's main thread, and the getppid() watch).
@@ -30,7 +33,8 @@ import json
 import os
 import signal
 import sys
-from typing import Any
+import time
+from typing import Any, Callable
 
 from rlslurm import lifetime
 
@@ -178,3 +182,26 @@ def _say_died(what: str, pid: int, code: int | None) -> None:
                         worker_pid=pid, exit_code=code)
         except OSError as e:
             print(f"reward_worker_died not written: {e}", file=sys.stderr)
+
+
+def serve_lines(load: Callable[[], Callable[[dict], dict]], on_error: Callable[[Exception], dict]) -> None:
+    """The worker's side of the wire (reward/worker.py, tools/worker.py): bind to the parent, move print() off
+    stdout, `load()` the code (its failure is the one {"error"} line), say ready, then one reply line per request
+    line until stdin closes. A request the handler raises on, or whose reply JSON cannot carry, is answered with
+    `on_error(exc)` and the worker keeps serving."""
+    lifetime.bind_to_parent(signal.SIGKILL)
+    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # the user's print() goes to the service's log, never into a reply
+    sys.stdout = sys.stderr
+    try:
+        handle = load()
+    except BaseException as e:  # SystemExit at import too: the pool is told why, never left waiting
+        replies.write(json.dumps({"error": f"{type(e).__name__}: {e}"[:1000]}) + "\n")
+        return
+    replies.write(json.dumps({"ready": True, "pid": os.getpid(), "started": time.time()}) + "\n")
+    for line in sys.stdin:
+        try:
+            text = json.dumps(handle(json.loads(line)), default=str)
+        except Exception as e:  # a malformed request, a reply JSON cannot carry: answer, keep serving
+            text = json.dumps(on_error(e))
+        replies.write(text + "\n")

@@ -15,12 +15,9 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
-import signal
 import sys
-import time
 
-from rlslurm import lifetime
+from rlslurm.reward.workers import serve_lines
 
 MESSAGE_CHARS = 300
 
@@ -83,25 +80,14 @@ def _call(fn, request: dict, max_chars: int) -> dict:
 
 def serve(argv: list[str]) -> None:
     """One worker: import the tool, say ready, then answer requests until stdin closes."""
-    lifetime.bind_to_parent(signal.SIGKILL)
-    replies = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)  # the tool's print() goes to the log, never into a reply
-    sys.stdout = sys.stderr
     max_chars = int(argv[1]) if len(argv) > 1 else 4096
-    try:
+
+    def load():
         fn, schema = load_tool(argv[0])
-    except BaseException as e:
-        replies.write(json.dumps({"error": f"{type(e).__name__}: {e}"[:1000]}) + "\n")
-        return
-    replies.write(json.dumps({"ready": True, "pid": os.getpid(), "started": time.time()}) + "\n")
-    for line in sys.stdin:
-        try:
-            request = json.loads(line)
-            reply = {"schema": schema} if request.get("describe") else _call(fn, request, max_chars)
-            text = json.dumps(reply, default=str)
-        except Exception as e:  # a malformed request, an output JSON cannot carry: answer, keep serving
-            text = json.dumps({"error": "raised", "message": f"worker error {type(e).__name__}: {e}"[:MESSAGE_CHARS]})
-        replies.write(text + "\n")
+        return lambda request: {"schema": schema} if request.get("describe") else _call(fn, request, max_chars)
+
+    serve_lines(load, lambda e: {"error": "raised",
+                                 "message": f"worker error {type(e).__name__}: {e}"[:MESSAGE_CHARS]})
 
 
 if __name__ == "__main__":
