@@ -4,7 +4,8 @@
     rlslurm report 1234 --run-root runs                # a job id recorded by submit
 
 Reads only <run>/metrics.jsonl and <run>/events.jsonl. An RL run gets the per-step split of rollout /
-reward / train / sync / idle (idle = step_s minus the four, i.e. broadcasts, waits, bookkeeping), effective
+reward (as far as the trainer waited for them: a rollout ahead of the trainer, rl.max_staleness, runs beside
+training) / train / sync / idle (idle = step_s minus the four: broadcasts, bookkeeping), effective
 samples per second, reward and held-out accuracy, reward-degraded ratio and policy staleness. An SFT run
 (`kind: sft_step` lines) gets loss, learning rate and step time; any other run with a `loss` per step (the
 toy job) gets its loss curve. What a run did not record is named in the page, not silently left out.
@@ -24,7 +25,10 @@ from rlslurm.errors import RunDirError
 from rlslurm.rundir import RunDir, current_names, read_jsonl
 
 PHASES = ("rollout", "reward", "train", "sync")
-PHASE_COLORS = {"rollout": "#4C72B0", "reward": "#DD8452", "train": "#55A868", "sync": "#C44E52", "idle": "#BBBBBB"}
+SPLIT = ("rollout_waited", "reward_waited", "train", "sync", "idle")
+"""What a step's seconds stack up to: rollout and reward only as far as the trainer waited for them."""
+PHASE_COLORS = {"rollout_waited": "#4C72B0", "reward_waited": "#DD8452", "train": "#55A868", "sync": "#C44E52",
+                "idle": "#BBBBBB"}
 # Events worth a vertical line: each marks a point where the run did not simply go on.
 MARKED_EVENTS = (events.RESUME, events.REQUEUE, events.HANG_DETECTED, events.SYNC_FAILED, events.SYNC_VERIFY_MISMATCH,
                  events.SYNC_VERIFY_FAILED, events.ENGINE_FAILED, events.DRAINED, events.REWARD_SERVICE_DIED,
@@ -32,7 +36,8 @@ MARKED_EVENTS = (events.RESUME, events.REQUEUE, events.HANG_DETECTED, events.SYN
                  events.NO_PROGRESS)
 # Columns of the per-step HTML table, in order; only those a run recorded are shown.
 TABLE_COLUMNS = {
-    "rl": ("step", "step_s", "rollout_s", "reward_s", "train_s", "sync_s", "idle_s", "effective_samples",
+    "rl": ("step", "step_s", "rollout_s", "reward_s", "experience_wait_s", "train_s", "sync_s", "idle_s",
+           "effective_samples",
            "effective_samples_per_s", "tokens_per_s", "reward_mean", "held_out_accuracy",
            "reward_degraded_ratio", "staleness_max", "sync_update_gbps", "loss"),
     "sft": ("step", "loss", "lr", "grad_norm", "step_s"),
@@ -77,14 +82,24 @@ def load(run: RunDir) -> RunMetrics:
     data = RunMetrics(run.path, kind, steps)
     if kind == "rl":
         for r in steps:
-            phase_sum = sum(r.get(f"{p}_s") or 0.0 for p in PHASES)
-            if r.get("step_s") is not None:
-                # Negative only by clock jitter; the split must still stack to step_s.
-                r["idle_s"] = max(r["step_s"] - phase_sum, 0.0)
+            _waited_split(r)
     data.evals = _evals(records, said, steps)
     data.marks, data.event_counts = _marks(said, steps)
     data.missing = _missing(data)
     return data
+
+
+def _waited_split(r: dict) -> None:
+    """A step row's split of step_s: `rollout_waited_s` and `reward_waited_s` (the part of each the trainer waited
+    for: all of it in turn, less where the rollout ran ahead beside training, rl.max_staleness), train, sync and
+    `idle_s` (the rest: broadcasts, bookkeeping). Rows without `experience_wait_s` (runs before it) waited for all."""
+    rollout_s, reward_s = r.get("rollout_s") or 0.0, r.get("reward_s") or 0.0
+    wait_s = r.get("experience_wait_s")
+    share = 1.0 if wait_s is None or rollout_s + reward_s <= 0 else min(1.0, wait_s / (rollout_s + reward_s))
+    r["rollout_waited_s"], r["reward_waited_s"] = rollout_s * share, reward_s * share
+    if r.get("step_s") is not None:
+        # Negative only by clock jitter; the split must still stack to step_s.
+        r["idle_s"] = max(r["step_s"] - sum(r.get(f"{p}_s") or 0.0 for p in SPLIT[:-1]), 0.0)
 
 
 def _kind(records: list[dict]) -> str:
@@ -158,9 +173,13 @@ def summary(data: RunMetrics) -> dict[str, object]:
         out["time in steps (s)"] = round(total_s, 2)
         out["median step (s)"] = round(statistics.median(r["step_s"] for r in data.steps if r.get("step_s")), 4)
     if data.kind == "rl" and total_s:
-        for name in (*PHASES, "idle"):
+        for name in SPLIT:
             phase_s = sum(r.get(f"{name}_s") or 0.0 for r in data.steps)
-            out[f"{name} share of step time"] = f"{100 * phase_s / total_s:.1f} %"
+            out[f"{name.replace('_waited', '')} share of step time"] = f"{100 * phase_s / total_s:.1f} %"
+        made_s = sum((r.get("rollout_s") or 0.0) + (r.get("reward_s") or 0.0) for r in data.steps)
+        waited_s = sum(r["rollout_waited_s"] + r["reward_waited_s"] for r in data.steps)
+        if made_s and made_s - waited_s > 0.005 * made_s:  # the rollout ran ahead (rl.max_staleness)
+            out["rollout + reward beside training"] = f"{100 * (made_s - waited_s) / made_s:.1f} % of their time"
         effective = sum(r.get("effective_samples") or 0 for r in data.steps)
         out["effective samples per s (whole run)"] = round(effective / total_s, 1)
         for key, label in (("reward_mean", "reward mean (last step)"),
@@ -307,9 +326,9 @@ def _rl_split(ax, data: RunMetrics) -> None:
     steps = [r["step"] for r in data.steps]
     bottom = [0.0] * len(steps)
     total_s = sum(r.get("step_s") or 0.0 for r in data.steps) or 1.0
-    for name in (*PHASES, "idle"):
+    for name in SPLIT:
         values = [r.get(f"{name}_s") or 0.0 for r in data.steps]
-        label = f"{name} {100 * sum(values) / total_s:.1f} %"
+        label = f"{name.replace('_waited', ' (waited)')} {100 * sum(values) / total_s:.1f} %"
         top = [b + v for b, v in zip(bottom, values)]
         if len(steps) <= 120:
             ax.bar(steps, values, bottom=bottom, width=0.85, color=PHASE_COLORS[name], label=label, linewidth=0)
@@ -317,7 +336,7 @@ def _rl_split(ax, data: RunMetrics) -> None:
             ax.fill_between(steps, bottom, top, step="mid", color=PHASE_COLORS[name], label=label, linewidth=0)
         bottom = top
     ax.set_ylabel("seconds per step")
-    ax.set_title("step time split: rollout / reward / train / sync / idle (= step_s - the four)", fontsize=10)
+    ax.set_title("step time split: rollout / reward (as far as waited for) / train / sync / idle", fontsize=10)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
 
 

@@ -153,13 +153,19 @@ class ExperiencePipeline(Generic[P]):
 
     # -- the trainer's side (main thread) ------------------------------------------------------------
     def take(self, step: int, guard) -> Experience:
-        """Step `step`'s experience: inline now (not threaded), else what the producer made (waited for)."""
+        """Step `step`'s experience: inline now (not threaded), else what the producer made (waited for). Its
+        stats get `experience_wait_s`: the seconds the trainer's step spent on it (inline: making it; ahead: the
+        wait for the producer), the part of rollout + reward that training did not hide."""
+        t = time.monotonic()
         if not self.threaded:
-            return self._finish(self._rollout(step, guard), guard)
-        with guard.phase("wait_experience", step=step):
-            self._wait(lambda: step in self._ready, f"the experience of step {step}", guard)
-            with self._cond:
-                return self._ready.pop(step)
+            exp = self._finish(self._rollout(step, guard), guard)
+        else:
+            with guard.phase("wait_experience", step=step):
+                self._wait(lambda: step in self._ready, f"the experience of step {step}", guard)
+                with self._cond:
+                    exp = self._ready.pop(step)
+        exp.stats["experience_wait_s"] = time.monotonic() - t
+        return exp
 
     def before_sync(self, boundary: int, guard) -> None:
         """Before the weights of version `boundary` reach the engines: wait until every step scheduled on

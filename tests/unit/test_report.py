@@ -50,6 +50,26 @@ def test_summary_shares_add_up_to_the_whole_step(tmp_path):
     assert numbers["steps recorded"] == 6 and "held-out accuracy first -> last" in numbers
 
 
+def test_a_rollout_ahead_of_the_trainer_counts_only_the_wait_in_the_split(tmp_path):
+    """rl.max_staleness 1: step n + 1's rollout runs while step n trains, so rollout_s + train_s exceed step_s.
+    The split stacks what the step waited for (`experience_wait_s`) and says how much training hid."""
+    run = copy_run("rl", tmp_path)
+    rows = read_jsonl(run.metrics)
+    for r in rows:
+        if "rollout_s" in r:  # rollout 0.08 + reward 0.02 made beside training, 0.01 of them waited for
+            r.update(rollout_s=0.08, reward_s=0.02, experience_wait_s=0.01, train_s=0.07, sync_s=0.01, step_s=0.1)
+    rewrite(run.metrics, rows)
+    data = load(run)
+    for r in data.steps:
+        assert r["rollout_waited_s"] == pytest.approx(0.008) and r["reward_waited_s"] == pytest.approx(0.002)
+        assert r["idle_s"] == pytest.approx(0.01)
+    numbers = summary(data)
+    shares = {k: float(v.rstrip(" %")) for k, v in numbers.items() if k.endswith("share of step time")}
+    assert sum(shares.values()) == pytest.approx(100.0, abs=0.3) and shares["rollout share of step time"] == 8.0
+    assert numbers["rollout + reward beside training"] == "90.0 % of their time"
+    assert "rollout + reward beside training" not in summary(load(copy_run("rl", tmp_path / "sync")))
+
+
 def test_write_embeds_the_png_and_one_table_row_per_step(tmp_path):
     run = copy_run("rl", tmp_path)
     files = write(run)

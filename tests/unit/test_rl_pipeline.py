@@ -136,7 +136,8 @@ def test_k0_runs_inline_in_the_callers_thread_under_its_guard():
     pipeline = ExperiencePipeline(rollout, lambda p, g: Experience([], {"step": p[0]}), max_staleness=0,
                                   first_step=3, last_step=5).start()
     guard = ProducerGuard()
-    assert pipeline.take(3, guard).stats == {"step": 3}
+    exp = pipeline.take(3, guard)
+    assert exp.stats["step"] == 3 and set(exp.stats) == {"step", "experience_wait_s"}
     assert threads == [threading.current_thread()] and pipeline.buffered(4, guard) == {}
 
 
@@ -191,13 +192,34 @@ def test_a_producer_error_is_raised_where_the_trainer_waits_for_that_step():
                                   first_step=0, last_step=6, poll_s=0.01).start()
     guard = ProducerGuard()
     try:
-        assert pipeline.take(0, guard).stats == {"step": 0} and pipeline.take(1, guard).stats == {"step": 1}
+        assert pipeline.take(0, guard).stats["step"] == 0 and pipeline.take(1, guard).stats["step"] == 1
         with pytest.raises(EngineDown, match="connection refused"):  # the engine's own error, its own type
             pipeline.take(2, guard)
         with pytest.raises(EngineDown):
             pipeline.before_sync(1, guard)
     finally:
         pipeline.close()
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_experience_wait_is_what_training_did_not_hide(k):
+    """`experience_wait_s`: in turn (k 0) the step waits out every rollout; ahead (k 1) the rollout of step 1 is
+    made while step 0 "trains" (0.3 s here), and taking it costs the step next to nothing."""
+    def rollout(step, guard):
+        time.sleep(0.1)
+        return step, 0
+
+    pipeline = ExperiencePipeline(rollout, lambda p, g: Experience([], {"step": p[0]}), max_staleness=k,
+                                  first_step=0, last_step=2, poll_s=0.01).start()
+    guard = ProducerGuard()
+    try:
+        first = pipeline.take(0, guard).stats["experience_wait_s"]
+        time.sleep(0.3)
+        second = pipeline.take(1, guard).stats["experience_wait_s"]
+    finally:
+        pipeline.close()
+    assert first >= 0.1
+    assert second >= 0.1 if k == 0 else second < 0.05, (first, second)
 
 
 def test_the_waiting_trainer_beats_only_when_the_producer_progressed():
