@@ -64,7 +64,9 @@ class AdmissionGate:
         with self._cond:
             if self.state == "serving":
                 self.state = "draining"
-                log.info("draining: waiting up to %.1f s for %d in-flight requests", timeout_s, self.in_flight)
+                # Every weight sync drains: a line per step only where requests were in flight to wait for.
+                log.log(logging.INFO if self.in_flight else logging.DEBUG,
+                        "draining: waiting up to %.1f s for %d in-flight requests", timeout_s, self.in_flight)
             if not self._cond.wait_for(lambda: self.in_flight == 0, timeout_s):
                 log.warning("drain timed out after %.1f s with %d in flight", timeout_s, self.in_flight)
                 return False

@@ -75,7 +75,9 @@ def _kill_then_stop(sub, stopped_engine: int, timeout_s: float, wait_s: float):
 
 
 def test_failed_engines_are_replaced_and_readmitted_while_the_job_runs(tmp_path):
-    job = load_config(EXAMPLE, ("rollout.engines=2", "train.steps=6", "rl.prompts_per_step=32",
+    # In turn (rl.max_staleness 0): each fault lands in the rollout of a known step; ahead of the trainer (the
+    # demo's 1) the last rollouts can be done before a replacement is back (the lone-engine test below runs at 1).
+    job = load_config(EXAMPLE, ("rollout.engines=2", "train.steps=6", "rl.max_staleness=0", "rl.prompts_per_step=32",
                                 "rollout.max_new_tokens=24", "rl.eval_every=100", "task.eval_size=16",
                                 "checkpoint.interval_steps=1000", f"rollout.hang_timeout_s={HANG_TIMEOUT_S}"))
     sub = launch.submit(job, config_text=EXAMPLE.read_text(), backend="local", run_root=tmp_path)
