@@ -199,8 +199,20 @@ class DeathWatch:
                 self.done_capped.add(e["cgroup"])
         return died
 
+    def _capped_cgroup(self, pid: int) -> Path | None:
+        """The memory cgroup memcap made for rank `pid` on this host (its `memory_capped` event), if any."""
+        return next((Path(e["cgroup"]) for e in read_events(self.run, MEMORY_CAPPED)
+                     if e.get("capped") and e.get("host") == self.host and int(e.get("pid") or 0) == pid), None)
+
     def _emit(self, hb: dict, seen: Seen, node_count: int | None) -> dict:
-        grown = {cg: oom_kills(cg) - before for cg, before in seen.cgroups.items()
+        cgroups = dict(seen.cgroups)
+        capped = self._capped_cgroup(int(hb["pid"]))
+        if capped is not None and capped not in cgroups:
+            # Seen in CI: the agent last looked before the rank moved itself into its cap (it caps itself once
+            # torch is in), and the kill there read as +0 in the cgroup it was seen in. Made for this rank alone at
+            # its start, the capped cgroup's every kill is the rank's.
+            cgroups[capped] = 0
+        grown = {cg: oom_kills(cg) - before for cg, before in cgroups.items()
                  if before is not None and oom_kills(cg) is not None}
         # The cgroup whose count grew, else the latest the rank was seen in that has a count.
         cgroup = next((cg for cg, n in grown.items() if n > 0), next(reversed(grown), None))

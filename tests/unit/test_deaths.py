@@ -135,6 +135,24 @@ def test_a_look_while_the_killed_rank_exits_does_not_hide_the_kill(tmp_path):
     assert died["cgroup"].endswith("memory/task_1")
 
 
+def test_a_rank_killed_in_its_cap_before_the_agent_saw_it_there_is_named_from_the_cap(tmp_path):
+    """Seen in CI: a rank caps itself (rlslurm/memcap.py) after the agent's last look had found it in the node's own
+    memory cgroup; the kernel killed it in its cap, whose count the agent never read: `rank_died` said no OOM."""
+    m = Machine(tmp_path)
+    m.counter("", 0)  # the cgroup the agent saw the rank in
+    beats = [m.rank(0, 100, None), m.rank(1, 101, "")]
+    watch = m.watch()
+    watch.host = "n1"
+    watch.look(beats)
+    m.counter("rlslurm-rank-101", 1)  # its cap, made at its start: the kill is counted there alone
+    events.emit(m.run, events.MEMORY_CAPPED, host="n1", pid=101, rank=1, capped=True, hbm_gb=0.1,
+                cgroup=str(m.cg / "memory" / "rlslurm-rank-101"))
+    m.live.discard(101)
+    (died,) = watch.look(beats[:1])
+    assert (died["rank_pid"], died["oom_killed"], died["cgroup_oom_kills"]) == (101, True, 1), died
+    assert died["cgroup"].endswith("rlslurm-rank-101") and died["memory_limit_bytes"] == 256 << 20
+
+
 def test_a_clean_end_and_the_agents_own_kill_are_not_deaths(tmp_path):
     m = Machine(tmp_path)
     beats = [m.rank(0, 100, None), m.rank(1, 101, None)]
