@@ -74,6 +74,26 @@ def train_config(job):
                                distributed_optimizer=memory.distributed_optimizer)
 
 
+def build_metered_trainer(state, job, norm_eps: float, weights) -> None:
+    """The Megatron trainer of `state` (the RL policy's and the SFT state's alike): its parallel layout and groups,
+    DDP and distributed optimizer on `state.spec`, started from `weights` (an HF checkpoint's tensors, a dict or a
+    SafetensorsDir, loaded into the bare GPTModel), built under the state's memory meter."""
+    from rlslurm.megatron.convert import Layout, load_hf_into
+    from rlslurm.megatron.model import init_parallel
+    from rlslurm.megatron.trainer import build_trainer
+
+    state.layout = Layout(tp=job.parallel.tp)
+    init_parallel(state.layout, seed=job.train.seed)
+    state.distributed_optimizer = train_config(job).distributed_optimizer
+    state.meter = MemoryMeter(state.device, job.diag.memory_every_steps, owned=state._owned)
+    with state.meter.tracking():  # Megatron's grad buffers and fp32 master weights: held all run
+        state.ddp, state.megatron_optimizer = build_trainer(
+            state.spec, state.layout, train_config(job), lr=job.train.lr, grad_clip=job.train.grad_clip,
+            weight_decay=job.train.weight_decay, layernorm_epsilon=norm_eps,
+            init=lambda gpt: load_hf_into(gpt, weights, state.spec, state.layout))
+    state.gpt = state.ddp.module
+
+
 def hf_model_spec(model_dir: str | Path) -> tuple[ModelConfig, float]:
     """(ModelConfig, RMSNorm epsilon) of the Llama checkpoint in model_dir, read from its config.json."""
     path = Path(model_dir) / "config.json"
@@ -129,9 +149,7 @@ class MegatronPolicy(RLPolicy):
     def __init__(self, job, topo, model_dir: str | Path):
         from transformers import AutoTokenizer
 
-        from rlslurm.megatron.convert import Layout, SafetensorsDir, load_hf_into
-        from rlslurm.megatron.model import init_parallel
-        from rlslurm.megatron.trainer import build_trainer
+        from rlslurm.megatron.convert import SafetensorsDir
 
         for key, message in megatron_rules(job):  # JobConfig refused these at load; a hand-built job may not have
             raise ConfigError(f"{key} = {_value(job, key)!r} {message}")
@@ -143,17 +161,8 @@ class MegatronPolicy(RLPolicy):
         self.job, self.topo, self.model_dir = job, topo, Path(model_dir)
         self.objective = Objective.of(job)
         self.spec, norm_eps = hf_model_spec(model_dir)
-        self.layout = Layout(tp=job.parallel.tp)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        init_parallel(self.layout, seed=job.train.seed)
-        self.distributed_optimizer = train_config(job).distributed_optimizer
-        self.meter = MemoryMeter(self.device, job.diag.memory_every_steps, owned=self._owned)
-        with self.meter.tracking():  # Megatron's grad buffers and fp32 master weights: held all run
-            self.ddp, self.megatron_optimizer = build_trainer(
-                self.spec, self.layout, train_config(job), lr=job.train.lr, grad_clip=job.train.grad_clip,
-                weight_decay=job.train.weight_decay, layernorm_epsilon=norm_eps,
-                init=lambda gpt: load_hf_into(gpt, SafetensorsDir(model_dir), self.spec, self.layout))
-        self.gpt = self.ddp.module
+        build_metered_trainer(self, job, norm_eps, SafetensorsDir(model_dir))
         self.steps = 0
         self._hf: dict[str, torch.Tensor] = {}
         self._export()

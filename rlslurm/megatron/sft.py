@@ -34,7 +34,6 @@ from rlslurm.dist import Topology, compute_device
 from rlslurm.errors import CheckpointError
 from rlslurm.megatron.device import on_device
 from rlslurm.megatron.optimizer_state import OptimizerState
-from rlslurm.memory_meter import MemoryMeter
 from rlslurm.rundir import RunDir
 
 log = logging.getLogger(__name__)
@@ -47,10 +46,7 @@ class MegatronSFTState:
     """Megatron's GPTModel, DDP and distributed optimizer, and the step: the whole SFT training state."""
 
     def __init__(self, job, topo: Topology, lr_at: Callable[[int], float]):
-        from rlslurm.megatron.convert import Layout, load_hf_into
-        from rlslurm.megatron.model import init_parallel
-        from rlslurm.megatron.policy import hf_model_spec, spec_from_config, train_config
-        from rlslurm.megatron.trainer import build_trainer
+        from rlslurm.megatron.policy import build_metered_trainer, hf_model_spec, spec_from_config
         from rlslurm.tinymodel import build_model, load_hf
 
         self.job, self.topo, self.lr_at = job, topo, lr_at
@@ -64,16 +60,7 @@ class MegatronSFTState:
             self.spec, norm_eps = spec_from_config(hf.config.to_dict(), name=job.model.name, where="model:")
         start = {name: t.detach().float() for name, t in hf.state_dict().items()}
         self.hf = hf if topo.is_main else None  # rank 0's template of the export (its config and tensor names)
-        self.layout = Layout(tp=job.parallel.tp)
-        init_parallel(self.layout, seed=job.train.seed)
-        self.distributed_optimizer = train_config(job).distributed_optimizer
-        self.meter = MemoryMeter(self.device, job.diag.memory_every_steps, owned=self._owned)
-        with self.meter.tracking():  # Megatron's grad buffers and fp32 master weights: held all run
-            self.ddp, self.megatron_optimizer = build_trainer(
-                self.spec, self.layout, train_config(job), lr=job.train.lr, grad_clip=job.train.grad_clip,
-                weight_decay=job.train.weight_decay, layernorm_epsilon=norm_eps,
-                init=lambda gpt: load_hf_into(gpt, start, self.spec, self.layout))
-        self.gpt = self.ddp.module
+        build_metered_trainer(self, job, norm_eps, start)
         self.steps = 0
         self.optimizer = OptimizerState(self)
 
