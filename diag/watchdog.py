@@ -373,6 +373,15 @@ class Watchdog:
 
     def watch(self, exit_when_idle: bool = True) -> int:
         """Poll until stopped; returns this process's exit code (see the module docstring)."""
+        code = self._poll_until_done(exit_when_idle)
+        # However the watch ends (a stop, the parent's exit, the last rank's): a rank can die within one poll of
+        # its first heartbeat, so no look saw it alive (seen in CI: a capped rank OOM-killed 0.5 s after its first
+        # beat, and the agent left on its dead parent without a word). One last look at the run's capped ranks
+        # names it.
+        self.deaths.look([r.hb for r in self.watched()], final=True)
+        return code
+
+    def _poll_until_done(self, exit_when_idle: bool) -> int:
         log.info("watching heartbeats of host %s in %s every %.2f s, policy %s, parent pid %s, idle exit "
                  "after %.0f s", self.host, self.run.path, self.config.watch_interval_s,
                  self.config.hang_policy, self.parent_pid, self.config.agent_idle_exit_s)
@@ -400,8 +409,6 @@ class Watchdog:
             self.sleep(self.config.watch_interval_s)
             self.suspend.unobserved(self.clock() - slept - self.config.watch_interval_s, self.watched,
                                     self.config.watch_interval_s)
-        # The local rank 0 that stops us often does so because a peer just died: one last look names it.
-        self.deaths.look([r.hb for r in self.watched()], final=True)
         log.info("exiting: asked to stop (SIGTERM/SIGINT)")
         return 0
 

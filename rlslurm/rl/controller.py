@@ -20,6 +20,7 @@ unchanged).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
@@ -154,7 +155,7 @@ class Controller:
         cfg, k, engines = self.job.rollout, self.job.rl.samples_per_prompt, self.engines
         engines.check_down()
 
-        def ask(i: int, share: list[int], attempt: int) -> tuple[dict, float]:
+        def ask(i: int, share: list[int], attempt: int) -> tuple[dict, float, float]:
             t = time.monotonic()
             # The first attempt's seed is (seed, step, engine) as before failover existed: runs without a
             # failure sample what they sampled then.
@@ -162,11 +163,11 @@ class Controller:
                                  temperature=cfg.temperature,
                                  seed=self.job.train.seed * 7919 + step * 31 + i + 1_000_003 * attempt
                                  + 15_485_863 * round_)
-            return out, time.monotonic() - t
+            return out, t, time.monotonic()
 
         choices: list[dict] = []
         engine_s = [0.0] * len(engines.clients)
-        resent = 0
+        resent, first_asked, last_answer = 0, math.inf, -math.inf
         # One thread per engine request: each waits on its HTTP answer.
         with ThreadPoolExecutor(max_workers=max(1, len(engines.clients)), thread_name_prefix="rollout") as pool:
             pending: dict = {}
@@ -184,7 +185,7 @@ class Controller:
                 for future in done:
                     i, share, attempt = pending.pop(future)
                     try:
-                        out, seconds = future.result()
+                        out, asked, answered = future.result()
                         engines.check_served(i, out)
                     except EngineRequestError as e:
                         engines.take_out(i, e, resent=len(share))
@@ -193,7 +194,8 @@ class Controller:
                         resent += len(share)
                         assign(share, attempt + 1)
                         continue
-                    engine_s[i] += seconds
+                    engine_s[i] += answered - asked
+                    first_asked, last_answer = min(first_asked, asked), max(last_answer, answered)
                     guard.beat()
                     # index: the sample's place in the step (prompt, then its k samples), so that a response's id
                     # (engine:index, experience.choice_id) stays unique when an engine answers a re-sent share too.
@@ -204,6 +206,9 @@ class Controller:
                     choices.extend(batch)
         if stats is not None:
             stats["prompts_resent"] = resent
+            # From the first request to the last answer: under the sum of the engines' times exactly when their
+            # requests overlapped (the rest of rollout_s, scoring beside it and the threads, stays out of it).
+            stats["requests_span_s"] = max(last_answer - first_asked, 0.0)
         return sorted(choices, key=lambda c: (c["prompt_index"], c["index"])), engine_s
 
     def _complete(self, client, samples: list[Sample], **kwargs) -> dict:
@@ -416,7 +421,8 @@ class Controller:
         failover: dict = {}
         with guard.phase("rollout", step=step):
             choices, engine_s = self.rollout(problems, step, guard, on_choices=arrived, stats=failover, round_=index)
-        return Round(drawn, assembler, scoring, choices, engine_s, failover.get("prompts_resent", 0))
+        return Round(drawn, assembler, scoring, choices, engine_s, failover.get("prompts_resent", 0),
+                     span_s=failover.get("requests_span_s", 0.0))
 
     def _finish_step(self, flight: dict, guard) -> Experience:
         """The rest of a step: the rewards the rollout did not hide, the last groups' advantages, stats."""

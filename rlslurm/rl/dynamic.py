@@ -46,6 +46,8 @@ class Round:
     resent: int = 0
     reward_stats: dict | None = None
     """Set by `finish`: the reward service's stats of this round."""
+    span_s: float = 0.0
+    """Seconds from the round's first engine request to its last answer."""
 
     def finish(self, guard=None) -> None:
         """Wait for the rewards still open (bounded by the reward client, beating `guard`); idempotent."""
@@ -110,7 +112,8 @@ def merge(rounds: list[Round], *, per_step: int, dynamic: bool) -> tuple[list[Sa
         versions[int(c["policy_version"])] = versions.get(int(c["policy_version"]), 0) + 1
     scored = [x for r in rounds for x in r.assembler.rewards() if x is not None]
     engine_s = [sum(s) for s in zip(*(r.engine_s for r in rounds))]
-    stats = {"rollout_engine_s": engine_s, "reward_mean": sum(scored) / max(len(scored), 1),
+    stats = {"rollout_engine_s": engine_s, "rollout_requests_span_s": sum(r.span_s for r in rounds),
+             "reward_mean": sum(scored) / max(len(scored), 1),
              "samples": len(choices), "effective_samples": len(samples), "zero_variance_groups": dropped,
              # the model's tokens, not a multi-turn episode's tool results (rlslurm/rl/episodes.py)
              "generated_tokens": sum(c.get("generated_tokens", len(c["token_ids"])) for c in choices),

@@ -33,8 +33,10 @@ def test_two_engines_are_asked_at_once_and_every_prompt_is_answered(tmp_path):
         assert r["reward_degraded"] == 0
         each = r["rollout_engine_s"]
         assert len(each) == 2 and min(each) > 0, r
-        # Asked one after the other, the rollout would take the sum of the engines' times (and more);
-        # asked at once, the slowest engine's time.
-        assert max(each) <= r["rollout_s"] < sum(each), r
+        # Asked one after the other, the requests would span the sum of the engines' times (and more); asked at
+        # once, they overlap: the span is under the sum. (Not rollout_s itself: under CI's load the scoring and
+        # threads around the requests took longer than an engine's 0.08 s.)
+        assert max(each) <= r["rollout_requests_span_s"] < sum(each), r
+        assert r["rollout_requests_span_s"] <= r["rollout_s"], r
     print(f"\ntwo engines: rollout s {[round(r['rollout_s'], 2) for r in steps]}, "
           f"per engine {[[round(x, 2) for x in r['rollout_engine_s']] for r in steps]}")

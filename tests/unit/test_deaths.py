@@ -162,3 +162,31 @@ def test_a_clean_end_and_the_agents_own_kill_are_not_deaths(tmp_path):
     m.live -= {100, 101}
     watch.spared.add(101)  # a hang's kill by the agent: the hang_action event says so
     assert watch.look([]) == [] and events.read_events(m.run, events.RANK_DIED) == []
+
+
+def test_a_capped_rank_that_died_between_two_looks_is_named_when_the_agent_leaves_on_its_dead_parent(tmp_path):
+    """Seen in CI: a rank OOM-killed in its cap 0.5 s after its first heartbeat, between two looks, so no look saw it
+    alive; the agent then left on its dead parent (rank 0) with no `rank_died` at all. Every exit of the watch
+    ends with one last look at the run's capped ranks."""
+    from rlslurm.diag.config import DiagConfig
+    from rlslurm.diag.watchdog import Watchdog
+
+    m = Machine(tmp_path)
+    m.counter("rlslurm-rank-101", 0)
+    cap = m.cg / "memory" / "rlslurm-rank-101"
+    (cap / "cgroup.procs").write_text("101\n")
+    events.emit(m.run, events.MEMORY_CAPPED, host="n1", pid=101, rank=1, capped=True, hbm_gb=0.1, cgroup=str(cap))
+    parent = {"gone": False}
+
+    def sleep(_s):  # between the first look and the second: the kernel kills the rank in its cap, rank 0 dies
+        m.counter("rlslurm-rank-101", 1)
+        (cap / "cgroup.procs").write_text("")
+        parent["gone"] = True
+
+    dog = Watchdog(m.run, DiagConfig(watch_interval_s=1), host="n1", sleep=sleep)
+    dog.deaths = m.watch()
+    dog.deaths.host = "n1"
+    dog.parent_gone = lambda: parent["gone"]
+    assert dog.watch() == 0
+    (died,) = events.read_events(m.run, events.RANK_DIED)
+    assert (died["rank"], died["rank_pid"], died["oom_killed"], died["cgroup_oom_kills"]) == (1, 101, True, 1), died
