@@ -54,6 +54,7 @@ import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,6 +127,10 @@ JobAcctGatherType=jobacct_gather/none
 {partitions}
 PartitionName={urgent} Nodes=n[1-5] PriorityTier=10 MaxTime=INFINITE State=UP
 """
+
+
+OWNER_FILE = "owner"
+"""<dir>/owner: "PID START_TIME" of the process the cluster lives for (a test session), written by `claim`."""
 
 
 @dataclass(frozen=True)
@@ -265,6 +270,29 @@ class LocalCluster:
         """Daemons of this cluster that are alive, by pid file."""
         return {name: pid for name, pid in self.pids().items() if _alive(pid)}
 
+    def claim(self, pid: int | None = None) -> None:
+        """Record the process this cluster lives for (default: this one); once it is gone, `orphaned` says so."""
+        import psutil
+
+        pid = pid or os.getpid()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / OWNER_FILE).write_text(f"{pid} {psutil.Process(pid).create_time()}\n")
+
+    def orphaned(self) -> bool:
+        """Its daemons run, and the process it was claimed for is gone (its pid dead or now another process's).
+        A cluster nobody claimed (`localcluster up` by hand) is never orphaned: it is somebody's to stop."""
+        import psutil
+
+        try:
+            pid, started = (self.dir / OWNER_FILE).read_text().split()
+            owner_started = psutil.Process(int(pid)).create_time()
+        except (OSError, ValueError):
+            return False
+        except psutil.Error:
+            owner_started = None
+        gone = owner_started is None or abs(owner_started - float(started)) > 1.0
+        return gone and bool(self.running())
+
     def down(self, *, grace_s: float = 10.0, clock: Callable[[], float] = time.monotonic,
              sleep: Callable[[float], None] = time.sleep) -> list[str]:
         """Cancel every job of this cluster (bounded by grace_s), then TERM every daemon (PIDs read before
@@ -310,6 +338,22 @@ class LocalCluster:
             if tail:
                 out.append(f"--- {f}\n" + "\n".join(tail))
         return "\n".join(out)
+
+
+def orphaned_clusters(port_base: int, root: Path | None = None) -> list[LocalCluster]:
+    """The clusters in `root`'s rlslurm-cluster-* dirs (default: the temp dir) on `port_base` whose owner is gone
+    while their daemons run: a test session killed before its teardown (SIGTERM or SIGKILL to pytest) leaves its
+    cluster up, and the next session on the same ports then failed every cluster test at setup."""
+    found = []
+    for d in sorted((root or Path(tempfile.gettempdir())).glob("rlslurm-cluster-*")):
+        try:
+            conf = (d / "slurm.conf").read_text()
+        except OSError:
+            continue
+        cluster = LocalCluster(d, port_base=port_base)
+        if re.search(rf"^SlurmctldPort={port_base}$", conf, re.M) and cluster.orphaned():
+            found.append(cluster)
+    return found
 
 
 def _resources(node: str) -> str:

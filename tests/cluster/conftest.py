@@ -25,7 +25,7 @@ import pytest
 from rlslurm import launch
 from rlslurm.config import load_config
 from rlslurm.errors import RlslurmError
-from rlslurm.slurm.localcluster import LocalCluster
+from rlslurm.slurm.localcluster import LocalCluster, orphaned_clusters
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -60,6 +60,11 @@ def slurm_cluster():
     if os.geteuid() != 0:
         _cannot_start("the local cluster runs its daemons as root (SlurmUser=root); this user is not root")
     cluster = LocalCluster(Path(tempfile.mkdtemp(prefix="rlslurm-cluster-")))
+    for stale in orphaned_clusters(cluster.port_base):  # a killed session's, on the ports this one needs
+        print(f"stopping the local Slurm of a test session that is gone: {stale.dir}")
+        stale.down()
+        shutil.rmtree(stale.dir, ignore_errors=True)
+    cluster.claim()
     try:
         up_s = cluster.up(timeout_s=30)
     except (RlslurmError, OSError) as e:
