@@ -44,6 +44,7 @@ def planned(plan: dict, kind: str) -> dict[str, float | None]:
     if kind == "rl":
         out.update({k: option[k] for k in ("rollout_s", "reward_s", "train_s", "sync_s")})
         out["step_s"] = option["total_s"]
+        out["overlapped"] = option.get("overlapped", False)
         # Every sample reaches the loss unless a calibration measured the share that did (zero-variance groups).
         share = (plan.get("calibration") or {}).get("effective_share") or 1.0
         out["effective_samples_per_s"] = (plan["reward"]["responses"] * share / option["total_s"]

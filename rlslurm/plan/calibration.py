@@ -11,7 +11,8 @@ What a run measures and how it carries to another shape:
                lengths the run really had, kernels' temporaries), applied to the new shape's count
   reward       seconds per scored response: reward_s / responses (latency and concurrency as the service ran)
   sync         measured - planned sync seconds: the protocol's round trips beside the bytes (added per step)
-  idle         step seconds outside the four phases (the experience broadcast, bookkeeping)
+  idle         step seconds outside the four phases (the experience broadcast, bookkeeping); for a run whose plan
+               overlapped experience and training (rl.max_staleness >= 1), outside max(rollout + reward, train) + sync
   effective    the share of samples that reached the loss with a non-zero advantage
   checkpoint   seconds of one checkpoint, scaled by the parameter count
 Whatever a run did not measure stays computed; `assumed()` names it.
@@ -79,11 +80,16 @@ class Calibration:
         reward = measured.get("reward_s")
         sync_m, sync_p = measured.get("sync_s"), planned.get("sync_s")
         step, phases = measured.get("step_s"), [measured.get(f"{p}_s") for p in ("rollout", "reward", "train", "sync")]
+        idle = None
+        if step is not None and None not in phases:
+            rollout, reward_s, train, sync = phases
+            busy = max(rollout + reward_s, train) if planned.get("overlapped") else rollout + reward_s + train
+            idle = max(0.0, step - busy - sync)
         ckpt = measured.get("checkpoint_s")
         return Calibration(
             run=run, train=ratio("train_s"), rollout=ratio("rollout_s"), activations=activations,
             reward_s_per_response=reward / responses if reward is not None and responses else None,
             sync_overhead_s=max(0.0, sync_m - (sync_p or 0.0)) if sync_m is not None else None,
-            idle_s=max(0.0, step - sum(phases)) if step is not None and None not in phases else None,
+            idle_s=idle,
             effective_share=measured.get("effective_share"),
             checkpoint_s_per_gparam=ckpt / (params / 1e9) if ckpt is not None and params else None)

@@ -27,7 +27,7 @@ from rlslurm.plan.gpus import gpu_plan
 from rlslurm.plan.placement import Colocate
 from rlslurm.plan.quantity import Q
 from rlslurm.plan.splits import Split
-from rlslurm.plan.steptime import StepSplit, SyncMethod
+from rlslurm.plan.steptime import StepSplit, SyncMethod, overlaps
 
 if TYPE_CHECKING:  # config.py imports this package's config classes: no cycle at run time
     from rlslurm.config import JobConfig
@@ -157,8 +157,9 @@ def option(job: "JobConfig", placement: Placement, s: Split, method: SyncMethod,
     if gpus:
         blockers += [("more GPUs than a node has", p) for p in gpus]
         not_yet = False
+    ahead = job.rl.max_staleness if job.job.kind == "rl" else 0
     step = StepSplit(method, placement, rollout_s, reward_s, s.train_step.value, syncs[method].value, offload_s,
-                     idle_s)
+                     idle_s, overlapped=overlaps(ahead, placement, job.hardware.profile, offload_s))
     return Option(placement, s, step, tuple(b for _, b in blockers), tuple(r for r, _ in blockers), not_yet, cap)
 
 

@@ -69,6 +69,18 @@ def _step_table(plan: Plan) -> Table:
     return table
 
 
+def _overlap_lines(plan: Plan) -> list[str]:
+    """How the step table's totals add up where rl.max_staleness lets the experience run beside training."""
+    job = plan.job
+    if job.job.kind != "rl" or job.rl.max_staleness == 0:
+        return []
+    o = plan.option.step
+    how = (f"the chosen one hides {num(o.hidden_s)} s a step" if o.overlapped else
+           "the chosen one adds them up (colocated on a GPU, or offloaded)")
+    return [f"rl.max_staleness {job.rl.max_staleness}: separate or on CPU cores, a step is max(rollout + reward, "
+            f"train) + sync + offload; {how}"]
+
+
 def _choice(plan: Plan) -> list[str]:
     """Which option the plan chose and by how much it beats the next, or why a faster one is not it."""
     job, o = plan.job, plan.option
@@ -173,7 +185,7 @@ def _sections(plan: Plan, problems: list[str], explain: bool) -> list[Any]:
         lines.append(f"calibrated from {cal.run}: measured {', '.join(cal.measured()) or 'nothing'}; "
                      f"still assumed: {', '.join(cal.assumed()) or 'nothing'}")
     out += ["\n".join(lines), _step_table(plan)]
-    lines = _choice(plan) + [plan.gpus.text(), _network_line(job)]
+    lines = _overlap_lines(plan) + _choice(plan) + [plan.gpus.text(), _network_line(job)]
     if explain:
         lines += _blockers(plan)
         _explain(lines, plan.recompute)
@@ -238,7 +250,7 @@ def _option(o: Option) -> dict[str, Any]:
             "sync_method": r.method, "status": o.status, "runnable": o.runnable, "blockers": list(o.blockers),
             "rollout_s": round(r.rollout_s, 6), "reward_s": round(r.reward_s, 6), "train_s": round(r.train_s, 6),
             "sync_s": round(r.sync_s, 6), "offload_s": round(r.offload_s, 4), "idle_s": round(r.idle_s, 6),
-            "total_s": round(r.total_s, 6),
+            "total_s": round(r.total_s, 6), "overlapped": r.overlapped, "hidden_s": round(r.hidden_s, 6),
             "sync_share_pct": round(r.share_pct(r.sync_s), 4)}
 
 

@@ -178,7 +178,8 @@ def build_plan(job: JobConfig, calibration: Calibration | None = None) -> Plan:
     colo = colocate(splits[0].memory, hw, job.rollout, kv, weights, job.placement)
     run = cal.run if cal else ""
     syncs = sync_times(lora_sync_weights(weights, job), hw, cal.sync_overhead_s or 0.0 if cal else 0.0, run)
-    reward = reward_phase(job.rl, job.reward, job.timing, cal.reward_s_per_response if cal else None, run)
+    reward = reward_phase(job.rl, job.reward, job.timing, cal.reward_s_per_response if cal else None, run,
+                          task_rule_inline=job.reward.service == "inline" and job.data.train is None)
     rollout = _rollout(job, counts, speed, cal)
     idle_s = cal.idle_s or 0.0 if cal else 0.0
     make = partial(option, job, colo=colo, syncs=syncs, reward_s=reward.used.value, kv=kv, weights=weights,
@@ -196,9 +197,11 @@ def build_plan(job: JobConfig, calibration: Calibration | None = None) -> Plan:
     amort = amortise(syncs, offload_s, job.timing.total_steps, hw.total_gpus)
     step = chosen.step
     idle = f" + idle {step.idle_s:.3g} (measured: {run})" if step.idle_s else ""
+    busy = (f"max(rollout {num(step.rollout_s)} + reward {num(step.reward_s)}, train {num(step.train_s)}: "
+            f"rl.max_staleness {job.rl.max_staleness}, side by side)" if step.overlapped else
+            f"rollout {num(step.rollout_s)} + reward {num(step.reward_s)} + train {num(step.train_s)}")
     rl_step = Q("RL step", step.total_s, "s",
-                f"rollout {num(step.rollout_s)} + reward {num(step.reward_s)} + train {num(step.train_s)} "
-                f"+ sync {num(step.sync_s)} ({step.method}) + offload {step.offload_s:.2f}{idle}")
+                f"{busy} + sync {num(step.sync_s)} ({step.method}) + offload {step.offload_s:.2f}{idle}")
     flops = forward_flops(m, job.parallel)
     recompute = [flops.layer_matmuls, flops.core_attention, flops.head, flops.total,
                  *(recompute_factor(m, job.parallel, mode) for mode in MODES),

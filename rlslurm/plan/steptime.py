@@ -79,9 +79,11 @@ class RewardPhase:
 
 
 def reward_phase(rl: RLConfig, reward: RewardConfig, timing: TimingConfig,
-                 per_response_s: float | None = None, run: str = "") -> RewardPhase:
+                 per_response_s: float | None = None, run: str = "", task_rule_inline: bool = False) -> RewardPhase:
     """responses x latency (serial) vs. / concurrency; timing.reward_s, when measured, wins; else a run's
-    measured seconds per response (`per_response_s`, rlslurm/plan/calibration.py) over the step's responses."""
+    measured seconds per response (`per_response_s`, rlslurm/plan/calibration.py) over the step's responses; else,
+    for the generated task scored by its rule in the controller (`task_rule_inline`: reward.service inline, no
+    data.train), nothing: microseconds a response as each arrives (the demo measured 1e-5 s a step)."""
     n = rl.prompts_per_step * rl.samples_per_prompt
     count = f"{rl.prompts_per_step} prompts x {rl.samples_per_prompt} samples = {n} responses x {reward.latency_s:g} s"
     serial = Q("reward serial", n * reward.latency_s, "s", count)
@@ -91,6 +93,8 @@ def reward_phase(rl: RLConfig, reward: RewardConfig, timing: TimingConfig,
         used = Q("reward phase", timing.reward_s, "s", "timing.reward_s, measured")
     elif per_response_s is not None:
         used = Q("reward phase", n * per_response_s, "s", f"{n} responses x {per_response_s:.3g} s (measured: {run})")
+    elif task_rule_inline:
+        used = Q("reward phase", 0.0, "s", "the task's rule, scored in the controller as each response arrives")
     else:
         used = Q("reward phase", concurrent.value, "s", "concurrent, from reward.latency_s")
     return RewardPhase(n, serial, concurrent, used)
@@ -121,27 +125,45 @@ class StepSplit:
     offload_s: float
     idle_s: float = 0.0
     """Seconds outside the phases (experience broadcast, bookkeeping): 0 unless a run measured it."""
+    overlapped: bool = False
+    """The experience (rollout + reward) of the next steps is made while this one trains (rl.max_staleness >= 1,
+    no offload between them): the step is the longer of the two, not their sum."""
 
     @property
     def total_s(self) -> float:
-        return self.rollout_s + self.reward_s + self.train_s + self.sync_s + self.offload_s + self.idle_s
+        return self.busy_s + self.sync_s + self.offload_s + self.idle_s
+
+    @property
+    def busy_s(self) -> float:
+        """Rollout + reward and train: one after the other, or side by side when overlapped. Side by side the
+        sync still waits for the rollouts it must not straddle (rlslurm/rl/pipeline.py), and on shared devices
+        (CPU cores, one box) each phase is slower than alone: a run at the same rl.max_staleness measures that
+        contention into its phase times, and `--from-run` carries it."""
+        experience = self.rollout_s + self.reward_s
+        return max(experience, self.train_s) if self.overlapped else experience + self.train_s
+
+    @property
+    def hidden_s(self) -> float:
+        """Seconds of experience or training the overlap hides (0 in turn)."""
+        return self.rollout_s + self.reward_s + self.train_s - self.busy_s
+
+    def formula(self) -> str:
+        """How total_s adds up, in words."""
+        if self.overlapped:
+            return "max(rollout + reward, train) + sync + offload + idle (rl.max_staleness >= 1: side by side)"
+        return "rollout + reward + train + sync + offload + idle"
 
     def share_pct(self, seconds: float) -> float:
         return 100.0 * seconds / self.total_s if self.total_s else 0.0
 
 
-def step_splits(timing: TimingConfig, reward_s: float, separate_train: Q | None, colocated_train: Q,
-                syncs: dict[SyncMethod, Q], offload_per_step_s: float) -> list[StepSplit]:
-    """disk and broadcast at the separate split (when there is one); ipc colocated on all GPUs with offload."""
-    rows = []
-    if separate_train is not None:
-        for method in ("disk", "broadcast"):
-            rows.append(StepSplit(method, "separate", timing.rollout_s, reward_s, separate_train.value,
-                                  syncs[method].value, 0.0))
-    for method in (("disk", "broadcast", "ipc") if separate_train is None else ("ipc",)):
-        rows.append(StepSplit(method, "colocate", timing.rollout_s, reward_s, colocated_train.value,
-                              syncs[method].value, offload_per_step_s))
-    return rows
+def overlaps(ahead: int, placement: str, profile: str, offload_s: float) -> bool:
+    """Whether a step's experience runs beside its training: rl.max_staleness (`ahead`) >= 1, on devices of its
+    own (placement separate) or on CPU cores, and no offload between them (an engine that sleeps for the trainer
+    to fit cannot generate while it trains). Colocated on a GPU, the engine and the trainer take turns on the
+    same SMs: the plan adds them up. On CPU cores neither phase fills the cores (the demo, 2 cores: rollout 0.107 s
+    and train 0.114 s side by side, step 0.144 s), and the contention is in what a run at the same k measures."""
+    return ahead >= 1 and offload_s == 0.0 and (placement == "separate" or profile == "cpu")
 
 
 @dataclass(frozen=True)

@@ -62,8 +62,9 @@ def test_the_plan_never_chooses_a_node_asked_for_more_gpus_than_it_has():
     """placement.mode auto on 3 nodes of 2 GPUs, 4 engines of TP 1: colocated (4 beside trainer rank 0) and one
     rollout node (4 on it) each ask a node for 4 GPUs, shown with the keys and numbers; the plan takes 2 rollout
     nodes (2 engines, 2 GPUs each)."""
+    # In turn (rl.max_staleness 0): colocation, its phases added up, is then the faster option it refuses.
     plan = build_plan(_job(*GPU, "placement.mode=auto", "placement.rollout_nodes=null", "hardware.nodes=3",
-                           "rollout.engines=4"))
+                           "rollout.engines=4", "rl.max_staleness=0"))
     assert (plan.placement, plan.chosen.rollout_nodes) == ("separate", 2)
     assert not [p for p in preflight(plan) if "GPUs" in p]
     refused = {(o.placement, o.split.rollout_nodes) for o in plan.options if "more GPUs than a node has" in o.reasons}
@@ -79,7 +80,9 @@ def test_the_plan_never_chooses_a_node_asked_for_more_gpus_than_it_has():
 def test_the_plan_refuses_a_layout_whose_every_option_asks_a_node_for_more_gpus_than_it_has():
     """5 engines on 3 nodes of 2 GPUs: colocated 5, one rollout node 5, two rollout nodes 3 on a node; every
     option over-asks, and plan and submit refuse, naming the keys and the numbers."""
-    job = _job(*GPU, "placement.mode=auto", "placement.rollout_nodes=null", "hardware.nodes=3", "rollout.engines=5")
+    # In turn (rl.max_staleness 0): the fastest of the refused options, the one preflight names, is colocation.
+    job = _job(*GPU, "placement.mode=auto", "placement.rollout_nodes=null", "hardware.nodes=3", "rollout.engines=5",
+               "rl.max_staleness=0")
     plan = build_plan(job)
     assert all("more GPUs than a node has" in o.reasons for o in plan.options)
     two_nodes = {b for o in plan.options if o.split.rollout_nodes == 2 for b in o.blockers if b.startswith("GPUs:")}

@@ -38,6 +38,7 @@ memory: {recompute: selective}
 placement: {mode: auto}
 rollout: {tp: 1, max_seq_len: 4096}
 sync: {method: auto}
+reward: {service: local}   # a reward service at reward.latency_s (the task's rule inline plans no reward phase)
 timing: {train_step_s: 1.0, rollout_s: 1.0}   # measured figures: this file tests the choice, not the counts
 """
 
@@ -54,7 +55,8 @@ def _plan(path: Path, *overrides: str):
 
 
 def test_colocation_that_fits_and_is_faster_is_chosen_with_both_step_times(tmp_path):
-    job = load_config(_write(tmp_path, DENSE_1B))
+    # In turn, as the issue timed it (at the default rl.max_staleness 1: tests/unit/test_plan_overlap.py).
+    job = load_config(_write(tmp_path, DENSE_1B + "rl: {max_staleness: 0}\n"))
     plan = build_plan(job)
     assert plan.colocate.fits_without_offload
     rows = {(o.placement, o.split.rollout_nodes, o.method): o for o in plan.options}
