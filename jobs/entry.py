@@ -100,6 +100,17 @@ def _keep_early_drain_signal(run: RunDir) -> None:
     signal.signal(signal.SIGUSR1, on_usr1)
 
 
+def _plant_engine(run: RunDir) -> None:
+    """Trainer rank 0 of an RL job, forked by the local supervisor with torch and transformers imported
+    (rlslurm/prefork.py): a copy of itself, made while it runs one thread, that its first spawned engine grows from
+    (rollout/launcher.py spawn_engine) instead of a fresh interpreter importing them again."""
+    from rlslurm import prefork
+
+    if os.environ.get(prefork.PREFORKED_ENV) == "1" and os.environ.get("SUBMITIT_LOCAL_GLOBALID") == "0" \
+            and load_config(run.config).job.kind == "rl":
+        prefork.plant()
+
+
 def _train_role(run: RunDir) -> int:
     job = load_config(run.config)
     rank = int(os.environ["RLSLURM_RANK"])  # this task's rank in the job (run_component: Topology.detect)
@@ -163,6 +174,7 @@ def _export_local_ranks() -> None:
 def run_component(run_dir: str) -> int:
     """What `rlslurm submit` pickles: the train role of component 0 (and the launcher of the others)."""
     run = RunDir(Path(run_dir))
+    _plant_engine(run)  # before this process starts any thread
     _keep_early_drain_signal(run)
     from rlslurm import lifetime
 
@@ -193,6 +205,9 @@ def run_component(run_dir: str) -> int:
         # Trained or drained: a late USR1 has nothing left to stop, and a drain file now would stop the next start.
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     finally:
+        from rlslurm import prefork
+
+        prefork.discard()  # a planted copy no engine grew from (a vLLM engine, engines of their own component)
         if agent is not None:
             agent.stop()
     if needs_requeue(code) and topo.is_main and leader_job_id():

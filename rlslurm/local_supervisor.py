@@ -18,6 +18,10 @@ the run ended. This controller is submitit's, with two changes taken from the SL
   what is left is teardown) has its stacks dumped, is ended and named (`rank_outlived_job`, `rlslurm status`),
   and counts as finished: a teardown that hangs never holds a finished job.
 
+The ranks are forks of this process, which imported torch and transformers once before it starts them, and rank
+0's first engine a fork of rank 0 (rlslurm/prefork.py: one import on the start's critical path instead of three, and
+their pages shared); RLSLURM_PREFORK=0 starts each rank as submitit does, a fresh interpreter.
+
 Engines spawned by rank 0 (the local backend's separate placement) are its children: they end with it and
 the new rank 0 starts them again, as colocated engines do on SLURM. A SIGKILLed rank cannot stop them
 itself, so this controller is a child subreaper (what SLURM's proctrack is for a job step): whatever a rank
@@ -41,9 +45,10 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from submitit.core import utils
 from submitit.local.local import LOCAL_REQUEUE_RETURN_CODE, Controller, LocalExecutor, LocalJob, LocalJobEnvironment
 
-from rlslurm import events, lifetime
+from rlslurm import events, lifetime, prefork
 from rlslurm.rundir import ENV_VAR, RunDir
 from rlslurm.slurm.parse import TaskEnd
 from rlslurm.slurm.supervisor import RESTART_ENV, decide
@@ -52,6 +57,8 @@ log = logging.getLogger("rlslurm.local_supervisor")
 
 LOG_NAME = "local-supervisor.log"
 """<run>/logs/local-supervisor.log: what this controller decided after each end of the ranks."""
+PREFORK_ENV = "RLSLURM_PREFORK"
+"""0: start each rank as a fresh interpreter (submitit's own way), not forked from this process (rlslurm/prefork.py)."""
 KILL_WAIT_S = 10.0
 """Seconds the peers of a rank that ended badly get between SIGTERM and SIGKILL (SLURM's KillWait)."""
 
@@ -107,6 +114,13 @@ def task_ends(codes: Sequence[int | None], first: Sequence[int], node: str) -> l
     return ends
 
 
+def module_command(command: Sequence[str]) -> tuple[str, list[str]] | None:
+    """Pure: (module, args) of submitit's task command `python -u -m module args...`; None for any other shape."""
+    if len(command) >= 4 and list(command[1:3]) == ["-u", "-m"]:
+        return command[3], list(command[4:])
+    return None
+
+
 class RestartingController(Controller):
     """submitit's local Controller (start_tasks, kill_tasks, its timeout signal) run as the module says."""
 
@@ -146,6 +160,35 @@ class RestartingController(Controller):
                         stack_method=dump.method)
             out[k] = 0
         return out
+
+    def preload(self, run: RunDir, job) -> None:
+        """Torch and transformers imported here once, for the ranks `start_tasks` forks (rlslurm/prefork.py), where
+        the job trains (sft, rl) and RLSLURM_PREFORK is not 0."""
+        if job.job.kind not in ("sft", "rl") or os.environ.get(PREFORK_ENV, "1") == "0" or module_command(
+                self.command) is None:
+            return
+        from rlslurm.layout import JobLayout
+        from rlslurm.rl.engines import preload_env
+
+        seconds = prefork.preload(preload_env(job, JobLayout.read(run)))
+        log.info("imported torch and transformers in %.2f s: the ranks are forked from this process", seconds)
+
+    def start_tasks(self) -> None:
+        """submitit's start_tasks (each task's environment and log files), the tasks forked from this process once it
+        preloaded (`preload`), else started as submitit does."""
+        command = module_command(self.command)
+        if not prefork.preloaded() or command is None:
+            super().start_tasks()
+            return
+        self.folder.mkdir(exist_ok=True)
+        paths = [utils.JobPaths(self.folder, self.pid, k) for k in range(self.ntasks)]
+        self.stdouts = [p.stdout.open("a") for p in paths]
+        self.stderrs = self.stdouts if self.stderr_to_stdout else [p.stderr.open("a") for p in paths]
+        module, args = command
+        for k in range(self.ntasks):
+            env = {**os.environ, "SUBMITIT_LOCAL_LOCALID": str(k), "SUBMITIT_LOCAL_GLOBALID": str(k),
+                   "SUBMITIT_LOCAL_JOB_ID": self.pid}
+            self.tasks.append(prefork.fork_module(module, args, env, self.stdouts[k], self.stderrs[k]))
 
     def _forward_signal(self, signum, *args) -> None:
         if signum == signal.SIGTERM:  # the user's cancel (LocalJob.cancel): no restart after it
@@ -188,10 +231,12 @@ class RestartingController(Controller):
         run = RunDir(Path(os.environ[ENV_VAR]))
         if not become_subreaper():
             log.warning("not a child subreaper: what a killed rank leaves running outlives it")
-        max_restarts = load_config(run.config).train.max_restarts
+        job = load_config(run.config)
+        max_restarts = job.train.max_restarts
         # The ranks end with this controller (rlslurm/lifetime.py): a SIGKILLed controller cannot end them,
         # and nothing else would (no SLURM step around them); start_tasks hands them this environment.
         os.environ.update(lifetime.child_env())
+        self.preload(run, job)
         restarts = requeues = 0
         while True:
             os.environ[RESTART_ENV] = str(restarts)  # start_tasks gives each rank this environment
@@ -244,6 +289,7 @@ class RestartingLocalExecutor(LocalExecutor):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    prefork.ready_titles()  # before anything changes this process's environment
     args = list(sys.argv[1:] if argv is None else argv)
     if ENV_VAR not in os.environ:  # not an rlslurm job: no config, no budget; submitit's controller as it is
         Controller(Path(args[0])).run()

@@ -341,6 +341,16 @@ def _passive_threads(threads: int) -> dict[str, str]:
     return {"OMP_WAIT_POLICY": "PASSIVE"} if threads > 1 and "OMP_WAIT_POLICY" not in os.environ else {}
 
 
+def preload_env(job: JobConfig, layout: JobLayout) -> dict[str, str]:
+    """What libraries read from the environment at load, as rank 0's spawned hf engines need it: the local
+    supervisor imports torch with it before it forks the ranks, whose first engine is forked from rank 0
+    (rlslurm/prefork.py), so libgomp has read OMP_WAIT_POLICY before the engine exists. The ranks train on one
+    thread (rlslurm/rl/loop.py): a wait policy does nothing to them."""
+    if job.job.kind != "rl" or job.rollout.engine != "hf" or layout.engines_from_component:
+        return {}
+    return _passive_threads(spawned_engine_threads(job, layout))
+
+
 def engine_launch(job: JobConfig, run: RunDir, index: int, model_dir: Path, *, host: str,
                   env: dict[str, str] | None = None, threads: int = 1):
     """How engine `index` of the job is started, the same by the controller (spawned engines) and by the

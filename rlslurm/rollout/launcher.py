@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rlslurm import lifetime, secret
+from rlslurm import lifetime, prefork, secret
 from rlslurm.rollout.client import EngineClient, EngineProcess, EngineRequestError
 
 log = logging.getLogger(__name__)
@@ -57,9 +57,13 @@ def spawn_engine(model_dir: str | Path, *, port: int, host: str = "127.0.0.1", l
     cmd = [python or sys.executable, "-m", "rlslurm.rollout.server", "--model", str(model_dir), "--host", host,
            "--port", str(port), "--secret-file", str(secret_file), *(extra_args or [])]
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, **(env or {}), **lifetime.child_env()})
+    full_env = {**os.environ, **(env or {}), **lifetime.child_env()}
+    # Rank 0 forked by the local supervisor planted a copy of itself with torch and transformers imported: the
+    # first engine grows from it (rlslurm/prefork.py); any other start is a fresh interpreter.
+    proc = prefork.grow(cmd[2], cmd[3:], full_env, str(log_path)) if cmd[0] == sys.executable else None
+    if proc is None:
+        with open(log_path, "ab") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env)
     client = EngineClient(f"http://{host}:{port}", timeout_s, token=secret.read(secret_file))
     log.info("started engine pid %d at %s (log %s)", proc.pid, client.url, log_path)
     try:
