@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-from transformers import PreTrainedTokenizerFast
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 SPECIALS = (PAD, BOS, EOS, UNK)
@@ -57,6 +60,9 @@ def build_tokenizer(chat: bool = False) -> PreTrainedTokenizerFast:
     """The character-level tokenizer as a transformers fast tokenizer (left padding, for batched generation);
     `chat`: with CHAT_TEMPLATE (a user's chat dataset on the embedded model; the arithmetic task has none, so
     task.prompt_style = chat still asks for a model of its own)."""
+    # Imported here: the CLI reads this module's names (the task's specials) and is ~1 s faster without transformers.
+    from transformers import PreTrainedTokenizerFast
+
     core = Tokenizer(models.WordLevel(vocab=dict(VOCAB), unk_token=UNK))
     # Every character is its own pre-token; the word-level model then maps it to an id (or <unk>).
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")

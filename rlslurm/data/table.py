@@ -21,7 +21,8 @@ from rlslurm.data.sample import Sample
 
 @dataclass(frozen=True)
 class SampleTable:
-    """One split: `dataset` (a datasets.Dataset, or a selection of one), its layout and where it came from."""
+    """One split: `dataset` (a datasets.Dataset, a selection of one, or the generated task's list of rows), its
+    layout and where it came from."""
 
     dataset: object
     layout: Layout
