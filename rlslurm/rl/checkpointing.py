@@ -86,7 +86,7 @@ def _attempt(run: RunDir, job: JobConfig, topo: Topology, policy: RLPolicy, step
                 ckpt.save_state("optimizer", policy.optimizer.state_dict())
                 ckpt.save_state("rng", rngs)
                 # rl_state["data"]: the data position (epoch, index) the controller set for this step
-                ckpt.save_json("rl_state", {**rl_state, "step": step, "policy_version": version})
+                ckpt.save_json("rl_state", {**plain_state(rl_state), "step": step, "policy_version": version})
             outcome[0] = writer.saved.seconds
         except Exception as e:  # noqa: BLE001 - any failed write of a save (OSError, torch's RuntimeError) was
             # reported by the writer and its temp dir removed; the try is over, the job goes on
@@ -191,6 +191,17 @@ def load(ckpt: Checkpoint, policy: RLPolicy, topo: Topology) -> dict:
     random.setstate(rng["python"])
     return ckpt.load_json("rl_state")
 
+
+
+def plain_state(rl_state: dict) -> dict:
+    """rl_state as a checkpoint holds it: the experience made ahead (Controller.experience_buffer keeps the
+    objects between saves) as JSON."""
+    buffer = rl_state.get("experience_buffer")
+    if not buffer:
+        return rl_state
+    return {**rl_state, "experience_buffer": [
+        {"step": e["step"], "experience": e["experience"].to_json() if hasattr(e["experience"], "to_json")
+         else e["experience"]} for e in buffer]}
 
 
 def resume_point(job: JobConfig, run: RunDir, topo: Topology, policy: RLPolicy) -> tuple[int, int, dict, bool]:
