@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from test_plan_choice import DENSE_1B  # the dense 1B on 2 x 8 H100, timed: 1 s train on 16 GPUs, 1 s rollout
 
 from rlslurm.cli.main import cli
 from rlslurm.config import JobConfig, load_config
@@ -22,20 +23,6 @@ from rlslurm.plan_vs_run import planned
 
 ROOT = Path(__file__).resolve().parents[2]
 PINNED = HardwareConfig(cpu_matmul_gflops=50.0, cpu_op_overhead_us=5.0, cpu_copy_gb_s=5.0)
-# tests/unit/test_plan_choice.py's dense 1B on 2 x 8 H100 (measured figures: 1 s train on 16 GPUs, 1 s rollout).
-DENSE_1B = """
-job: {name: dense-1b, kind: rl}
-hardware: {profile: h100-80g, nodes: 2, gpus_per_node: 8}
-model: {name: dense-1b, layers: 16, hidden: 2048, heads: 16, kv_heads: 8, ffn_hidden: 8192, vocab: 32000,
-        max_positions: 4096}
-parallel: {seq_len: 4096, micro_batch_size: 1}
-memory: {recompute: selective}
-placement: {mode: auto}
-rollout: {tp: 1, max_seq_len: 4096}
-sync: {method: auto}
-reward: {service: local}   # a reward service at reward.latency_s (the task's rule inline plans no reward phase)
-timing: {train_step_s: 1.0, rollout_s: 1.0}
-"""
 
 
 def _options(tmp_path: Path, staleness: int) -> dict:
