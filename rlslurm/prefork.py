@@ -91,8 +91,8 @@ class ForkedProcess:
             if self.returncode is None:
                 try:
                     pid, status = os.waitpid(self.pid, os.WNOHANG)
-                except ChildProcessError:  # reaped by someone else (a subreaper's sweep): its code is lost
-                    self.returncode = -signal.SIGKILL if _gone(self.pid) else None
+                except ChildProcessError:  # reaped elsewhere (a subreaper's sweep): its code is lost, it ended
+                    self.returncode = -signal.SIGKILL
                     return self.returncode
                 if pid:
                     self.returncode = os.waitstatus_to_exitcode(status)
@@ -116,16 +116,6 @@ class ForkedProcess:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
-
-
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
 
 
 def fork_module(module: str, args: Sequence[str], env: dict[str, str], stdout, stderr,
