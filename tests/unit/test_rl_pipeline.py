@@ -204,7 +204,8 @@ def test_a_producer_error_is_raised_where_the_trainer_waits_for_that_step():
 @pytest.mark.parametrize("k", [0, 1])
 def test_experience_wait_is_what_training_did_not_hide(k):
     """`experience_wait_s`: in turn (k 0) the step waits out every rollout; ahead (k 1) the rollout of step 1 is
-    made while step 0 "trains" (0.3 s here), and taking it costs the step next to nothing."""
+    made while step 0 "trains" (0.5 s here), and taking it costs the step less than a rollout (0.1 s): seen at 0.05
+    s and more beside two real jobs on 2 cores, where the producer thread's wake-up waits for a core."""
     def rollout(step, guard):
         time.sleep(0.1)
         return step, 0
@@ -214,12 +215,12 @@ def test_experience_wait_is_what_training_did_not_hide(k):
     guard = ProducerGuard()
     try:
         first = pipeline.take(0, guard).stats["experience_wait_s"]
-        time.sleep(0.3)
+        time.sleep(0.5)
         second = pipeline.take(1, guard).stats["experience_wait_s"]
     finally:
         pipeline.close()
     assert first >= 0.1
-    assert second >= 0.1 if k == 0 else second < 0.05, (first, second)
+    assert second >= 0.1 if k == 0 else second < 0.1, (first, second)
 
 
 def test_the_waiting_trainer_beats_only_when_the_producer_progressed():
