@@ -113,16 +113,62 @@ def kit_only_us(run: RunDir, micro: int, n: int = 5000) -> float:
 
 
 def raw_costs(run: RunDir, n: int = 2000) -> tuple[float, float]:
+    """One heartbeat write, and one beat (the flusher's counter), in a tight loop: microseconds."""
     w = HeartbeatWriter(run, "bench", 0, interval_s=1.0, background=False)
     t0 = time.perf_counter()
     for _ in range(n):
         w.update(force=True)
     write_us = (time.perf_counter() - t0) / n * 1e6
+    counted = HeartbeatWriter(run, "bench", 1, interval_s=1.0)
+    beat = counted.beat
     t0 = time.perf_counter()
     for _ in range(n * 50):
-        w.update()
+        beat()
     beat_us = (time.perf_counter() - t0) / (n * 50) * 1e6
+    counted.close()
     return write_us, beat_us
+
+
+def in_place_us(run: RunDir, micro: int, steps: int = 200) -> tuple[float, float]:
+    """The kit's calls timed inside real steps, less the timer's own cost timed in the same places: microseconds
+    per step, and per call. Far above `kit_only_us`: each call finds the caches the step's torch work left."""
+    work = Work(micro)
+    guard = PhaseGuard(run, "train", 2, DiagConfig(), DrainGate(run))
+    clock = time.perf_counter
+    kit = timer = 0.0
+    for step in range(steps + 10):
+        spent = 0.0
+        for timing_only in (True, False):  # a step of empty timings, then one of timed kit calls
+            t = clock()
+            phase = None if timing_only else guard.phase("data", step=step)
+            phase and phase.__enter__()
+            spent += clock() - t
+            batch = work.data + 0.0
+            t = clock()
+            if phase:
+                phase.__exit__(None, None, None)
+                phase = guard.phase("train", step=step)
+                phase.__enter__()
+            spent += clock() - t
+            for m in range(micro):
+                work.model(batch[m]).pow(2).mean().backward()
+                t = clock()
+                phase and guard.beat()
+                spent += clock() - t
+            work.opt.step()
+            work.opt.zero_grad()
+            t = clock()
+            phase and phase.__exit__(None, None, None)
+            spent += clock() - t
+            if step >= 10:
+                if timing_only:
+                    timer += spent
+                else:
+                    kit += spent
+            spent = 0.0
+    guard.close()
+    per_step = (kit - timer) / steps * 1e6
+    return per_step, per_step / (micro + 4)
 
 
 STALLER = """
@@ -172,6 +218,7 @@ def main() -> None:
         r = side_by_side(run, args.steps, args.micro, write_us)
         b, k, ratio = r["base_ms"] / 1e3, r["kit_ms"] / 1e3, r["ratio"]
         kit_us = kit_only_us(run, args.micro)
+        place_us, call_us = in_place_us(run, args.micro)
         latency, dump_s = hang_latency(Path(tmp))
     print(f"step time ({r['steps']} alternating pairs, {args.micro} micro-batches): without kit {b * 1e3:.3f} ms | "
           f"with kit {k * 1e3:.3f} ms (medians) | ratio {ratio:.4f} = median of pair ratios {r['foreground']:.4f} + "
@@ -179,8 +226,11 @@ def main() -> None:
           f"{os.getloadavg()[0]:.2f})")
     print(f"kit alone: {kit_us:.1f} us per step = {100 * kit_us / (b * 1e6):.2f} % of the {b * 1e3:.2f} ms step "
           f"(the side-by-side ratio above also carries the noise of a shared machine)")
+    print(f"kit in place: {place_us:.1f} us per step = {100 * place_us / (b * 1e6):.2f} %, {call_us:.1f} us per call "
+          f"(timed inside the steps, the timer's own cost taken off: the step's torch work leaves each call cold "
+          f"caches)")
     print(f"heartbeat write {write_us:.1f} us (done by the flusher thread, at most 1 per s); "
-          f"beat in memory {beat_us:.2f} us")
+          f"beat {beat_us:.3f} us (a step of the flusher's counter)")
     print(f"hang detection: {latency:.2f} s from stall to hang_detected (timeout 2 s, watch interval 0.25 s); "
           f"dump + report {dump_s:.2f} s")
 

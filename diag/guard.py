@@ -18,9 +18,12 @@ What it does, and why it is built this way:
   which is exactly the hang the watchdog must see.
 - Each phase carries its timeout (`diag.phase_timeouts_s[phase]`, else `diag.hang_timeout_s`) into the
   heartbeat, so the node agent (diag/watchdog.py) needs no config of its own to judge a rank.
-- Beats and phase changes only touch the heartbeat in memory; its flusher thread (diag/heartbeat.py)
-  writes it within `diag.heartbeat_interval_s`, so the file names the phase a rank hangs in at most one
-  interval after it entered, and the kit costs one small file write per interval, not per phase.
+- Beats and phase changes only touch the heartbeat in memory (a beat is one step of a C counter); its
+  flusher thread (diag/heartbeat.py) writes it within `diag.heartbeat_interval_s`, so the file names the
+  phase a rank hangs in about one interval after it entered, and the kit costs one small file write per
+  interval, not per phase.
+- The hot path is a few Python frames a phase and none a beat: inside a training step each frame costs
+  ~1.5 us, 30x a tight loop's (cold caches after the step's torch work; bench/bench_opskit.py "in place").
 - Phase boundaries call `gate.check()` of the drain gate (diag/drain_gate.py), which also notices a
   `control/drain` file written by the node agent or a human; the loop reads `guard.drain_requested`.
 - An exception inside a phase becomes a `phase_failed` event with its traceback, and is re-raised.
@@ -33,11 +36,10 @@ What it does, and why it is built this way:
 
 from __future__ import annotations
 
-import contextlib
 import faulthandler
 import time
 import traceback
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from rlslurm.diag.config import DiagConfig
 from rlslurm.diag.heartbeat import HeartbeatWriter
@@ -60,7 +62,10 @@ class PhaseGuard:
         self.run, self.role, self.rank, self.config, self.gate = run, role, rank, config, gate
         self.heartbeat = HeartbeatWriter(run, role, rank, interval_s=config.heartbeat_interval_s,
                                          clock=clock, job_id=job_id, background=background)
-        self._stack: list[tuple[str, Any]] = []
+        self.beat = self.heartbeat.beat
+        """Progress inside the current phase, from the work itself (cheap: the heartbeat's counter, no Python frame)."""
+        self._stack: list[_Phase] = []
+        self._timeouts: dict[str | None, float] = {None: config.timeout_for(None)}  # each phase's, on first use
         self._fh_file = None
         if faulthandler_fallback:
             self._fh_file = register_faulthandler(faulthandler_path(run, role, rank))
@@ -75,37 +80,9 @@ class PhaseGuard:
     def drain_requested(self) -> bool:
         return bool(self.gate is not None and self.gate.requested)
 
-    def _check_gate(self) -> None:
-        if self.gate is not None:
-            self.gate.check()
-
-    @contextlib.contextmanager
-    def phase(self, name: str, step: int | None = None) -> Iterator["PhaseGuard"]:
+    def phase(self, name: str, step: int | None = None) -> "_Phase":
         """Run the body as phase `name` of `step`: heartbeat now, drain check at both ends, failures recorded."""
-        self._check_gate()
-        self._stack.append((name, step))
-        self.heartbeat.update(phase=name, step=step, phase_timeout_s=self.config.timeout_for(name),
-                              phase_started=self.heartbeat.clock())
-        try:
-            yield self
-        except BaseException as e:
-            if not isinstance(e, GeneratorExit):
-                self._record_failure(name, step, e)
-            raise
-        finally:
-            self._stack.pop()
-            outer, outer_step = self._stack[-1] if self._stack else (None, step)
-            # Back in the outer phase (or between phases): not written now, the next beat or phase does it.
-            self.heartbeat.update(progress=True, phase=outer, step=outer_step,
-                                  phase_timeout_s=self.config.timeout_for(outer))
-        self._check_gate()
-
-    def beat(self, step: int | None = None) -> None:
-        """Progress inside the current phase (cheap: the write is coalesced)."""
-        if step is None:
-            self.heartbeat.update()
-        else:
-            self.heartbeat.update(step=step)
+        return _Phase(self, name, step)
 
     def _record_failure(self, name: str, step: int | None, e: BaseException) -> None:
         if getattr(e, "_rlslurm_recorded", False):  # nested phases: record once, at the innermost
@@ -139,3 +116,40 @@ class PhaseGuard:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close(ok=exc_type is None)
+
+
+class _Phase:
+    """One `with guard.phase(name, step)`: a plain class, not a contextlib generator (half the frames)."""
+
+    __slots__ = ("guard", "name", "step", "timeout_s")
+
+    def __init__(self, guard: PhaseGuard, name: str, step: int | None):
+        self.guard, self.name, self.step = guard, name, step
+
+    def __enter__(self) -> PhaseGuard:
+        guard = self.guard
+        if guard.gate is not None:
+            guard.gate.check()
+        timeout_s = guard._timeouts.get(self.name)
+        if timeout_s is None:
+            timeout_s = guard._timeouts[self.name] = guard.config.timeout_for(self.name)
+        self.timeout_s = timeout_s
+        guard._stack.append(self)
+        guard.heartbeat.enter(self.name, self.step, timeout_s, True)
+        return guard
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        guard = self.guard
+        if exc is not None and not isinstance(exc, GeneratorExit):
+            guard._record_failure(self.name, self.step, exc)
+        stack = guard._stack
+        stack.pop()
+        # Back in the outer phase (or between phases): not written now, the next beat or phase does it.
+        if stack:
+            outer = stack[-1]
+            guard.heartbeat.enter(outer.name, outer.step, outer.timeout_s, False)
+        else:
+            guard.heartbeat.enter(None, self.step, guard._timeouts[None], False)
+        if exc is None and guard.gate is not None:
+            guard.gate.check()
+        return False

@@ -7,13 +7,15 @@ A heartbeat says who the process is (host, pid, role, rank, job id), where it is
 phase's timeout) and when it last made progress. The watchdog (diag/watchdog.py, a separate process
 on the same node) compares `last_progress` with `phase_timeout_s`; `rlslurm diag` shows the table.
 
-Cost on the hot path: `update()` only changes the record in memory (well under a microsecond). A
-flusher thread writes the record when it changed, at most once per `interval_s`: a JSON dump into a
-temp file and an atomic rename, without fsync (a heartbeat lost in a crash of the node is worth
+Cost on the hot path: `enter()` and `update()` only change the record in memory (~3 us inside a step);
+`beat()` is one step of a C counter (itertools.count), no Python frame. A flusher thread reads the counter
+four times an interval and writes the record when it changed, at most once per `interval_s`: a JSON dump
+into a temp file and an atomic rename, without fsync (a heartbeat lost in a crash of the node is worth
 nothing, and fsync on NFS costs milliseconds). On ext4 here one such write costs 0.2-3 ms, so writing
 at every phase change of a fast step would break the 1 % budget; the thread keeps it to one per second.
-The thread never makes progress up: it only writes `last_progress` as the work last set it, so a
-wedged main thread still ages its heartbeat.
+The thread never makes progress up: `last_progress` is the time the work set (phases, updates) or, for
+counted beats, the flusher's previous read of the counter (a beat came after it), never later than the
+work made it, so a wedged main thread still ages its heartbeat.
 
 A heartbeat that cannot be written (OSError: its directory unwritable, the disk full) never stops the
 work nor the flusher: the first failure is a `heartbeat_unwritable` event (its path, error and errno;
@@ -29,6 +31,7 @@ a process that must not start threads) `update()` writes synchronously, coalesce
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -105,7 +108,19 @@ class HeartbeatWriter:
         self._lock = threading.Lock()  # the flusher and a forced write must not share the temp file at once
         self._stop = threading.Event()
         self._thread = None
+        self.beat: Callable[[], object] = self.update
+        """Progress from the hot path (a micro-batch, a generated chunk). Synchronous: an `update`. With the flusher:
+        one step of a C counter, which the flusher reads and dates (`_count_beats`)."""
+        # Why a counter: inside a training step each Python frame costs ~1.5 us, not the ~0.05 us of a tight loop (the
+        # step's torch work has evicted the interpreter's caches; bench/bench_opskit.py measures it in place); a
+        # `next()` of itertools.count runs no Python frame at all.
+        self._counter = itertools.count()
+        self._reads = 0  # the flusher's own steps of the counter
+        self._counted = 0  # beats counted so far
+        self._looked = now  # when the flusher last read the counter
+        self._counted_progress = float("-inf")  # the latest progress the counter proves
         if background:
+            self.beat = self._counter.__next__
             self._thread = threading.Thread(target=self._flusher, name=f"heartbeat-{role}-{rank}", daemon=True)
             self._thread.start()
 
@@ -124,6 +139,22 @@ class HeartbeatWriter:
             return True
         return False
 
+    def enter(self, phase: str | None, step: int | None, phase_timeout_s: float, started: bool) -> None:
+        """Progress into `phase` of `step`: a new phase when `started` (its start time is now), else back in an outer
+        one. `update`'s work for phase boundaries, without its **fields dict."""
+        now = self.clock()
+        record = self.record
+        record["phase"] = phase
+        record["step"] = step
+        record["phase_timeout_s"] = phase_timeout_s
+        if started:
+            record["phase_started"] = now
+        record["last_progress"] = now
+        record["beats"] += 1
+        self._dirty = True
+        if self._thread is None and now - self._last_write >= self.interval_s:
+            self._write(now)
+
     def flush(self) -> None:
         """Write the record now if it changed since the last write."""
         if self._dirty:
@@ -134,18 +165,37 @@ class HeartbeatWriter:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+            if not self._thread.is_alive():
+                self._count_beats(self.clock())
         self.flush()
 
     def _flusher(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            if self._dirty:
-                self._write(self.clock())
+        # It reads the beat counter four times an interval, so a beat is dated at most a quarter interval early; it
+        # writes at most once an interval.
+        while not self._stop.wait(self.interval_s / 4):
+            now = self.clock()
+            self._count_beats(now)
+            if self._dirty and now - self._last_write >= self.interval_s:
+                self._write(now)
+
+    def _count_beats(self, now: float) -> None:
+        """Take the beats counted since the last read (the flusher's thread, or close() once it ended)."""
+        total = next(self._counter) - self._reads  # every earlier read took one step of the counter too
+        self._reads += 1
+        if total > self._counted:
+            # A beat came after the previous read: dated then, never later than the work made it, so a wedged
+            # main thread still ages its heartbeat.
+            self._counted, self._counted_progress, self._dirty = total, self._looked, True
+        self._looked = now
 
     def _write(self, now: float) -> None:
         with self._lock:
             self._dirty = False
             record = dict(self.record)  # a copy: the main thread may update the record meanwhile
             record["written"] = now
+            # The counted beats join the record here, never in it: the main thread's update() writes it unlocked.
+            record["beats"] += self._counted
+            record["last_progress"] = max(record["last_progress"], self._counted_progress)
             self._last_write = now  # a failed write is retried one interval later, not at every update
             try:
                 with open(self._tmp, "w") as f:

@@ -90,6 +90,29 @@ def test_flusher_thread_writes_a_phase_change_within_the_interval_but_never_make
     assert read_heartbeats(run)[0]["state"] == "exited" and not guard.heartbeat._thread.is_alive()
 
 
+def test_counted_beats_are_dated_no_later_than_made_and_a_silent_rank_ages(run):
+    guard = PhaseGuard(run, "train", 0, DiagConfig(heartbeat_interval_s=0.2))  # the flusher reads every 0.05 s
+    with guard.phase("train", step=4):
+        guard.heartbeat.flush()
+        entered = read_heartbeats(run)[0]
+        time.sleep(1.0)  # the flusher reads the counter meanwhile: the beats below come after some read
+        made = time.time()
+        for _ in range(3):
+            guard.beat()
+        deadline = time.monotonic() + 5
+        while read_heartbeats(run)[0]["beats"] < entered["beats"] + 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        beaten = read_heartbeats(run)[0]
+        assert beaten["beats"] == entered["beats"] + 3
+        # Dated at the flusher's read before them: after the phase began, never after they were made.
+        assert entered["last_progress"] < beaten["last_progress"] <= made
+        time.sleep(0.5)  # no beat: the heartbeat ages, the flusher reads on without making progress up
+        assert read_heartbeats(run)[0]["last_progress"] == beaten["last_progress"]
+    guard.close()
+    final = read_heartbeats(run)[0]
+    assert final["state"] == "exited" and final["beats"] == beaten["beats"] + 1  # the phase's end
+
+
 def test_drain_requested_reflects_the_gate(run):
     guard = PhaseGuard(run, "train", 0, DiagConfig(), Gate(after=2), clock=Clock())
     with guard.phase("train", step=0):
