@@ -10,8 +10,9 @@
    the drift of a shared machine's load falls on both steps of a pair alike, plus the flusher's background
    work (one heartbeat write per interval, as a share of it). Budget: <= 1 %. Pooled medians of long blocks
    of each side read 1.03-1.09 at load 4-8 here while the kit's own work was 0.1 % of a step: the load's drift
-   between blocks, not the kit. Also the kit's own work per step with no model, and the raw cost of one
-   heartbeat write and one coalesced beat.
+   between blocks, not the kit. Also the kit's own work per step with no model (a tight loop), the same calls
+   timed in place inside real steps (10x more: cold caches after the step's torch work; what the ratio sees), and
+   the raw cost of one heartbeat write and one beat.
 2. Hang-detection latency: a real process under the guard stalls in a phase with a 2 s timeout; the
    watchdog polls every 0.25 s; prints seconds from the stall to `hang_detected` and the stack dump time.
 """
