@@ -54,28 +54,28 @@ PRELOAD = ("torch", "transformers", "transformers.modeling_utils", "safetensors.
 MAX_REQUEST_BYTES = 1 << 20
 """A planted copy's one request (argv, environment, log path) is at most this long."""
 
-_preloaded = False
+_preloaded: list[str] = []  # what `preload` imported (its forks start with them)
 _seed: "_Seed | None" = None
 
 
-def preload(env: dict[str, str] | None = None) -> float:
-    """Import PRELOAD in this process, after setting `env` (what libraries read at load); returns the seconds."""
-    global _preloaded
+def preload(env: dict[str, str] | None = None, also: Sequence[str] = ()) -> float:
+    """Import PRELOAD and `also` (the job's own entrance) in this process, after setting `env` (what libraries read
+    at load); returns the seconds."""
     started = time.monotonic()
     os.environ.update(env or {})
-    for name in PRELOAD:
+    for name in (*PRELOAD, *also):
         __import__(name)
     # The imports' objects out of the collector's reach: a collection in a child writes to every object it
     # visits, and each page it writes to is copied out of the shared ones (CPython's gc.freeze, for forks).
     gc.collect()
     gc.freeze()
-    _preloaded = True
+    _preloaded[:] = [*PRELOAD, *also]
     return time.monotonic() - started
 
 
 def preloaded() -> bool:
     """Whether this process imported PRELOAD through `preload` (its forks start with them)."""
-    return _preloaded
+    return bool(_preloaded)
 
 
 class ForkedProcess:
@@ -135,7 +135,7 @@ def _run_child(module: str, args: list[str], env: dict[str, str], out: int, err:
         _fresh_process_state(env, out, err, unbuffered)
         # Its log says how it started: a stack or a timing read later is of a fork, not of a fresh interpreter.
         print(f"rlslurm.prefork: pid {os.getpid()} runs {module}, forked from pid {os.getppid()} with "
-              f"{', '.join(PRELOAD)} imported there", file=sys.stderr, flush=True)
+              f"{', '.join(_preloaded or PRELOAD)} imported there", file=sys.stderr, flush=True)
         # What `python -m module` gives: argv[0] the module's file (during the run and after it, at exit).
         spec = importlib.util.find_spec(module)
         sys.argv = [spec.origin if spec is not None and spec.origin else module, *args]

@@ -69,6 +69,10 @@ def test_the_ranks_and_the_first_engine_are_forks_and_leave_nothing_behind(sft, 
     assert len(ranks) == 2 and len({parent for _, parent in ranks.values()}) == 1  # both from the supervisor
     rank0 = next(pid for k, (pid, _) in ranks.items() if "_0_log" in k)
     assert engine[1] == rank0  # the engine grew from rank 0's planted copy
+    # The RL entrance and the engine's server came with the fork too.
+    said = (run_dir / "logs" / "submitit" / next(k for k in ranks if "_0_log" in k).split(":", 1)[1]).read_text()
+    assert re.search(r"forked from pid \d+ with torch, .*rlslurm\.jobs\.rl, rlslurm\.rollout\.server imported there",
+                     said), said[:2000]
     # ps showed each fork as the command it stands for, under its parent.
     (supervisor,) = {parent for _, parent in ranks.values()}
     for pid, _ in ranks.values():
