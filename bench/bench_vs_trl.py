@@ -19,7 +19,8 @@ waits up to --quiet-wait-s for the 1-minute load to fall to --quiet-load (when g
 mean load while it ran. Per run: median step (the cadence a user sees: time between two steps' ends,
 checkpoints and boundaries included), samples/s over the steps, wall from launch to exit, time to first step
 (from the process start, as the `first_step` event's since_process_start_s, and from launch), the largest
-sum of PSS over every process of the side's tree (psutil, sampled every 0.25 s), and the held-out accuracy.
+sum of PSS over every process of the side's tree (psutil, sampled every second), and the held-out accuracy.
+rlslurm's modules are compiled first (`compiled_as_installed`), as an installed package's are.
 """
 
 from __future__ import annotations
@@ -282,6 +283,20 @@ def write_results(path: Path, text: str) -> None:
     path.write_text(doc)
 
 
+def compiled_as_installed() -> None:
+    """rlslurm's modules compiled to bytecode, as `pip install` leaves them (and TRL's): from a checkout under
+    PYTHONDONTWRITEBYTECODE=1 (this machine's environment) every process would compile them again at its start."""
+    import compileall
+
+    import rlslurm
+    import rlslurm.diag
+    import rlslurm.jobs
+
+    for package in (rlslurm, rlslurm.diag, rlslurm.jobs):
+        for folder in package.__path__:
+            compileall.compile_dir(folder, quiet=2)  # where it cannot write (a read-only install), it is compiled
+
+
 def make_export(root: Path) -> Path:
     subprocess.run([_rlslurm(), "submit", "examples/tiny-sft.yaml", "--backend", "local", "--run-root", str(root),
                     "--wait"], cwd=ROOT, check=True, capture_output=True)
@@ -312,6 +327,7 @@ def main() -> int:
         trl_child(args)
         return 0
     args.run_root.mkdir(parents=True, exist_ok=True)
+    compiled_as_installed()
     export = make_export(args.run_root / "sft") if args.make_export else args.export
     if export is None or not (export / "config.json").is_file():
         ap.error("--export must be an SFT export holding config.json (or pass --make-export)")
