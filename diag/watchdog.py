@@ -70,6 +70,7 @@ from rlslurm.diag.stack_dump import StackDump, collective_in, dump_stack, proces
 from rlslurm.diag.suspend import SuspendWatch, slurm_job_state
 from rlslurm.events import HANG_ACTION, HANG_DETECTED, emit
 from rlslurm.lifecycle import ExitCode, requeue_job
+from rlslurm.lifetime import StopFlag
 from rlslurm.node import node_name
 from rlslurm.rundir import RunDir
 
@@ -137,8 +138,9 @@ class Watchdog:
         self.job_id = job_id
         self.parent_pid = parent_pid
         self._parent_started = process_started(parent_pid) if parent_pid else None
-        self._stop = threading.Event()
-        # Waits go through the stop Event, so stop() ends them at once; tests inject their own.
+        # Set by SIGTERM's handler: a flag, not an Event (rlslurm/lifetime.py StopFlag says why).
+        self._stop = StopFlag()
+        # Waits go through the stop flag, so stop() ends them within its 0.1 s poll; tests inject their own.
         self.sleep = sleep or self._stop.wait
         # The kill grace is not cut short by stop(): SLURM's SIGTERM (the requeue just asked for) arrives
         # right then, and a stop-Event wait would turn the grace into a busy loop on a shared node.

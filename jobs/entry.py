@@ -224,7 +224,9 @@ def _stand_in(run: RunDir, role: str) -> int:
     The spine's tests need a real het component on the rollout partition before the RL engines exist;
     this process is that component: it shows placement, heartbeats and env fingerprints like an engine.
     """
-    stop = threading.Event()
+    from rlslurm.lifetime import StopFlag
+
+    stop = StopFlag()  # set from a signal handler: no Event (its lock)
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     # USR1 reaches this component too (`scancel -s USR1` of the het job, srun forwarding it): it has no
     # work in flight to drain, and by default USR1 would kill it. The trainer's rank 0 stops it.

@@ -83,7 +83,7 @@ class RewardSupervisor:
         self._attempts = 0  # restarts tried, the ones that failed to start included
         self.failed = threading.Event()
         self.proc: subprocess.Popen | None = None
-        self._stop = threading.Event()
+        self._stop = lifetime.StopFlag()  # `stopping` runs in a SIGTERM handler
         self._thread: threading.Thread | None = None
         self._dir = Path(log_dir) if log_dir else (run.logs if run else Path(tempfile.mkdtemp(prefix="reward-")))
         self._dir.mkdir(parents=True, exist_ok=True)

@@ -13,13 +13,13 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import threading
 import time
 from pathlib import Path
 
 from rlslurm.config import JobConfig
 from rlslurm.diag.env_diff import write_fingerprint
 from rlslurm.errors import RlslurmError
+from rlslurm.lifetime import StopFlag
 from rlslurm.node import node_name
 from rlslurm.rl.engines import endpoint_stamp, engine_launch
 from rlslurm.rl.scoring import reward_config, reward_env
@@ -55,7 +55,7 @@ def run_engine(job: JobConfig, run_dir: str | Path) -> int:
     # engine server the supervisor starts (an ignored signal survives exec). The trainer ranks agree on the
     # drain step and the controller drains the engines then.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    stop = threading.Event()
+    stop = StopFlag()  # set from a signal handler: no Event (its lock)
     supervised: list[EngineSupervisor] = []
 
     def stopping(*_) -> None:
@@ -118,7 +118,7 @@ def run_reward(job: JobConfig, run_dir: str | Path) -> int:
     # USR1 (`scancel -s USR1`, --signal=USR1@N) reaches this step too: nothing here to drain, and its
     # default action would kill the service while the trainer still finishes its step.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    stop = threading.Event()
+    stop = StopFlag()  # set from a signal handler: no Event (its lock)
     supervised: list[RewardSupervisor] = []
 
     def stopping(*_) -> None:

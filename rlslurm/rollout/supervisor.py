@@ -45,6 +45,7 @@ from typing import Callable
 import psutil
 
 from rlslurm import events
+from rlslurm.lifetime import StopFlag
 from rlslurm.rollout.client import EngineProcess, EngineRequestError
 from rlslurm.rollout.config import RolloutConfig
 from rlslurm.rollout.launcher import spawn_engine
@@ -153,7 +154,7 @@ class EngineSupervisor:
         self._attempts = 0  # replacements tried, failed starts included
         self.exits: dict[int, int] = {}  # pid -> exit code of every server that ended under us
         self.failed = threading.Event()
-        self._stop = threading.Event()
+        self._stop = StopFlag()  # `stopping` runs in a SIGTERM handler
         self._thread: threading.Thread | None = None
         self._progress: ProgressWatch | None = None  # vLLM: its token counter against pending requests
 
