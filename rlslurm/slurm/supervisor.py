@@ -200,8 +200,10 @@ class TrainerSupervisor:
         log.info("SIGTERM: SLURM is ending or stopping the job; passing it on to every component's tasks; no "
                  "further trainer restarts")
         if not self.stopping:
+            # Marked first: a second SIGTERM whose handler runs inside this one's Thread.start (its locks) must
+            # not start a relay of its own (rlslurm/lifetime.py StopFlag says why a handler must not wait on a lock).
+            self.stopping = True
             threading.Thread(target=self._pass_sigterm_on, name="sigterm-relay", daemon=True).start()
-        self.stopping = True
 
     def _pass_sigterm_on(self) -> None:
         """`scancel --signal=TERM --state=RUNNING <component>` (steps only, never the batch step) of every
