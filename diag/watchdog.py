@@ -138,9 +138,8 @@ class Watchdog:
         self.job_id = job_id
         self.parent_pid = parent_pid
         self._parent_started = process_started(parent_pid) if parent_pid else None
-        # Set by SIGTERM's handler: a flag, not an Event (rlslurm/lifetime.py StopFlag says why).
+        # Set by SIGTERM's handler, so a flag, not an Event (StopFlag says why); waits end within its poll.
         self._stop = StopFlag()
-        # Waits go through the stop flag, so stop() ends them within its 0.1 s poll; tests inject their own.
         self.sleep = sleep or self._stop.wait
         # The kill grace is not cut short by stop(): SLURM's SIGTERM (the requeue just asked for) arrives
         # right then, and a stop-Event wait would turn the grace into a busy loop on a shared node.
